@@ -1,4 +1,4 @@
-"""Django settings for the test suite: real PostgreSQL when DATABASE_URL is set, else SQLite."""
+"""Django settings for the tests: PostgreSQL when DATABASE_URL is set, else SQLite."""
 
 import os
 

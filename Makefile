@@ -1,0 +1,43 @@
+# Works on a fresh clone with nothing but Python >= 3.11: no root, no system packages.
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+# The first interpreter in this list whose version is >= 3.11. Each candidate is run,
+# not just looked up, because pyenv shims exist for versions that are not selected.
+PYTHON_CANDIDATES := python3.11 python3.12 python3.13 python3
+BASE_PYTHON ?= $(shell for p in $(PYTHON_CANDIDATES); do \
+	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 \
+	&& { command -v $$p; break; }; done)
+
+.PHONY: venv test lint demo clean
+
+venv: $(STAMP)
+
+$(PYTHON):
+	@test -n "$(BASE_PYTHON)" || { \
+	  echo "error: Python >= 3.11 not found (tried: $(PYTHON_CANDIDATES))" >&2; exit 1; }
+	$(BASE_PYTHON) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PYTHON)
+	$(PYTHON) -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+test: $(STAMP)
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+demo:
+	@echo "The flash-sale demo is not built yet (issue 4)."
+	@echo "\`make test\` runs the test suite against five real redis-server processes."
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	rm -f tests/test.sqlite3 db.sqlite3

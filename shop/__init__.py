@@ -1,0 +1,1 @@
+"""A sample Django project that uses redlock_django: the flash-sale shop."""

@@ -1,0 +1,9 @@
+"""ASGI entry point for the sample shop."""
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
+
+application = get_asgi_application()

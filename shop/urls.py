@@ -1,0 +1,8 @@
+"""URL configuration for the sample shop."""
+
+from django.contrib import admin
+from django.urls import path
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+]

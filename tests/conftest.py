@@ -1,0 +1,85 @@
+"""Fixtures that run the suite against real ``redis-server`` processes.
+
+- ``redis_nodes`` (session): five servers on free loopback ports, started once.
+- ``nodes``: the same five, each running, unpaused and empty when the test starts.
+- ``redlock_settings``: ``settings.REDLOCK`` pointed at ``nodes``, with short timings.
+- ``make_nodes``: a factory for extra servers (say 3 or 7) owned by one test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._nodes import NodeSet
+
+NODE_COUNT = 5
+
+
+@pytest.fixture(scope="session")
+def redis_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeSet]:
+    """Start five redis-servers for the whole session; stop them at its end."""
+    node_set = NodeSet.create(NODE_COUNT, tmp_path_factory.mktemp("redis"))
+    node_set.start_all()
+    try:
+        yield node_set
+    finally:
+        node_set.stop_all()
+
+
+@pytest.fixture
+def nodes(redis_nodes: NodeSet) -> Iterator[NodeSet]:
+    """Yield the session's five nodes, all running, unpaused and flushed.
+
+    Whatever an earlier test did to them (paused, killed, stopped, filled with
+    keys) is undone first; nodes left paused are resumed at teardown.
+    """
+    redis_nodes.ensure_running()
+    redis_nodes.flush_all()
+    try:
+        yield redis_nodes
+    finally:
+        redis_nodes.resume_all()
+
+
+@pytest.fixture
+def redlock_settings(settings: Any, nodes: NodeSet) -> dict[str, Any]:
+    """Point ``settings.REDLOCK`` at the five test nodes and return that dict."""
+    config: dict[str, Any] = {
+        "NODES": nodes.urls,
+        "TTL": 10.0,
+        "NODE_TIMEOUT": 0.05,
+        "RETRY_DELAY": 0.02,
+        "RETRY_JITTER": 0.02,
+        "WAIT_TIMEOUT": 2.0,
+    }
+    settings.REDLOCK = config
+    return config
+
+
+@pytest.fixture
+def make_nodes(tmp_path: Path) -> Iterator[Callable[..., NodeSet]]:
+    """Return a factory ``make_nodes(count, *, appendfsync_always=False)``.
+
+    Each call starts ``count`` new servers and returns them as a ``NodeSet``;
+    all of them are stopped when the test ends.
+    """
+    created: list[NodeSet] = []
+
+    def factory(count: int, *, appendfsync_always: bool = False) -> NodeSet:
+        directory = tmp_path / f"nodes{len(created)}"
+        node_set = NodeSet.create(
+            count, directory, appendfsync_always=appendfsync_always
+        )
+        created.append(node_set)
+        node_set.start_all()
+        return node_set
+
+    try:
+        yield factory
+    finally:
+        for node_set in created:
+            node_set.stop_all()
