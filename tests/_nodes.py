@@ -74,6 +74,22 @@ def free_port() -> int:
         return port
 
 
+def process_state(pid: int) -> str | None:
+    """Return the one-letter state of ``pid`` ("T": stopped), or ``None`` if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+    else:
+        return stat.rsplit(")", 1)[1].split()[0]
+    # No procfs (macOS): ask ps.
+    result = subprocess.run(
+        ["ps", "-o", "state=", "-p", str(pid)], capture_output=True, text=True
+    )
+    return result.stdout.strip()[:1] or None
+
+
 class RedisNodeError(RuntimeError):
     """A redis-server process could not be started or did not answer."""
 
@@ -274,12 +290,28 @@ class RedisNode:
             return
         self._process.send_signal(signal.SIGSTOP)
         self._paused = True
+        self._wait_for_state(self._process.pid, stopped=True)
 
     def resume(self) -> None:
         """Let a paused server run again with SIGCONT; no-op otherwise."""
         if self._paused and self.is_running and self._process is not None:
             self._process.send_signal(signal.SIGCONT)
+            self._wait_for_state(self._process.pid, stopped=False)
         self._paused = False
+
+    @staticmethod
+    def _wait_for_state(pid: int, *, stopped: bool) -> None:
+        # Signals are delivered asynchronously: without this wait a command sent
+        # right after pause() could still be answered.
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while time.monotonic() < deadline:
+            state = process_state(pid)
+            if state is None or (state == "T") == stopped:
+                return
+            time.sleep(0.001)
+        raise RedisNodeError(
+            f"redis-server {pid} did not {'stop' if stopped else 'continue'}"
+        )
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[RedisNode]:

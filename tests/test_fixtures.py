@@ -16,16 +16,13 @@ import pytest
 import redis
 
 from tests import _nodes
-from tests._nodes import NodeSet, RedisNode, RedisNodeError, find_redis_server
-
-
-def _process_state(pid: int) -> str | None:
-    """Return the kernel's one-letter state of ``pid`` ("T" is stopped)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return None
-    return fields[0]
+from tests._nodes import (
+    NodeSet,
+    RedisNode,
+    RedisNodeError,
+    find_redis_server,
+    process_state,
+)
 
 
 def test_five_nodes_listen_on_distinct_ports_and_answer_ping(nodes: NodeSet) -> None:
@@ -131,19 +128,18 @@ def test_ensure_running_restarts_stopped_and_resumes_paused_nodes(
             assert client.ping() is True
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_stop_terminates_a_paused_node(make_nodes: Callable[..., NodeSet]) -> None:
     """Stopping a SIGSTOPped server does not hang and leaves no process behind."""
     node = make_nodes(1)[0]
     pid = node.pid
     assert pid is not None
     node.pause()
-    assert _process_state(pid) == "T"
+    assert process_state(pid) == "T"
 
     node.stop(timeout=2.0)
 
     assert not node.is_running
-    assert _process_state(pid) is None
+    assert process_state(pid) is None
 
 
 def test_appendfsync_always_node_keeps_key_across_kill(
@@ -287,7 +283,7 @@ def test_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     assert result.returncode == -signal.SIGKILL, result.stderr
     pid = int(result.stdout.strip())
     deadline = time.monotonic() + 5
-    while _process_state(pid) not in (None, "Z") and time.monotonic() < deadline:
+    while process_state(pid) not in (None, "Z") and time.monotonic() < deadline:
         time.sleep(0.01)
     # "Z": dead, waiting for init to reap it.
-    assert _process_state(pid) in (None, "Z")
+    assert process_state(pid) in (None, "Z")
