@@ -1,0 +1,25 @@
+"""Django app configuration for redlock_django."""
+
+from __future__ import annotations
+
+from django.apps import AppConfig
+from django.core import checks
+
+
+class RedlockConfig(AppConfig):
+    """Register the ``redlock`` system checks when Django starts."""
+
+    name = "redlock_django"
+    label = "redlock_django"
+    verbose_name = "Redlock"
+
+    def ready(self) -> None:
+        """Register the checks; importing conf connects its settings receiver.
+
+        ``conf`` connects its ``setting_changed`` receiver when imported (with a
+        ``dispatch_uid``), so cached settings and node clients are reset when a
+        test changes ``REDLOCK`` or ``CACHES``, even where this app is not installed.
+        """
+        from . import checks as redlock_checks
+
+        checks.register(redlock_checks.check_settings, redlock_checks.TAG)

@@ -1,0 +1,832 @@
+"""Read, validate and cache the ``REDLOCK`` setting.
+
+This module is the only reader of ``django.conf.settings`` in the package. It holds
+the ``DEFAULTS``, ``validate()`` (used by both the system checks and the runtime, so
+they never disagree) and ``get_settings()``, which returns a frozen
+``RedlockSettings`` and is cached until ``REDLOCK`` or ``CACHES`` changes.
+
+Settings are read when ``get_settings()`` is called, never at import time: a
+module imported before the settings are configured (or before a test overrides
+them) would otherwise keep stale values forever.
+
+A node is one independent Redis master, given in ``REDLOCK["NODES"]`` as a URL
+(``redis://``, ``rediss://``, ``unix://``) or as the alias of a Redis cache in
+``CACHES``. URLs can carry passwords, so only ``NodeSpec.display`` (no userinfo,
+no query string) ever goes into a message, a log line or a page.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import inspect
+import ipaddress
+import math
+import numbers
+import re
+import ssl
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.utils.module_loading import import_string
+from redis.connection import (
+    AbstractConnection,
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
+
+from . import protocol
+
+__all__ = [
+    "DEFAULTS",
+    "ERROR",
+    "WARNING",
+    "NodeSpec",
+    "Problem",
+    "RedlockSettings",
+    "connection_params",
+    "get_settings",
+    "parse_node",
+    "raw_settings",
+    "reset",
+    "validate",
+]
+
+ERROR = "error"
+WARNING = "warning"
+
+DEFAULTS: dict[str, object] = {
+    "NODES": [],
+    "KEY_PREFIX": "redlock",
+    "TTL": 10.0,
+    "WAIT_TIMEOUT": 10.0,
+    "RETRY_DELAY": 0.05,
+    "RETRY_JITTER": 0.05,
+    "DRIFT_FACTOR": 0.01,
+    "NODE_TIMEOUT": 0.05,
+    "AUTO_EXTEND": False,
+    "MAX_HOLD": 300.0,
+}
+
+MAX_TTL = 86400.0
+MAX_KEY_PREFIX_LENGTH = 64
+# Above this share of TTL, one slow node eats a visible part of the validity window.
+NODE_TIMEOUT_SHARE = 0.05
+REDIS_CACHE_BACKENDS = (
+    "django_redis.cache.RedisCache",
+    "django.core.cache.backends.redis.RedisCache",
+)
+
+_DEFAULT_PORT = 6379
+# ``\\`` is the escape character of the SCAN MATCH pattern the inspector builds from
+# the prefix, so it is as unsafe there as the glob characters themselves.
+_GLOB_CHARACTERS = frozenset("*?[]\\")
+# Options a URL may carry that configure the pool rather than each connection.
+_POOL_OPTIONS = frozenset({"max_connections", "timeout"})
+# Keys a redis-py 8 pool adds to its own connection_kwargs: they belong to that pool
+# (its maintenance handler and config, the timeouts to restore after a maintenance
+# event), so a pool built from them would share state with the cache's, undo its
+# timeouts, or refuse RESP2 because the copied config enables notifications.
+_POOL_STATE = frozenset(
+    {
+        "himport_registry",
+        "maint_notifications_config",
+        "maint_notifications_pool_handler",
+        "oss_cluster_maint_notifications_handler",
+        "orig_host_address",
+        "orig_socket_timeout",
+        "orig_socket_connect_timeout",
+    }
+)
+_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,15}")
+
+_HINTS = {
+    "redlock.E001": "REDLOCK must be a dict with these keys (all optional but NODES): "
+    + ", ".join(DEFAULTS)
+    + ".",
+    "redlock.E002": "List one entry per independent Redis master: a URL such as "
+    "'redis://10.0.0.1:6379/0' or the alias of a Redis cache in CACHES, e.g. "
+    "REDLOCK = {'NODES': ['redis://10.0.0.1:6379/0', 'redis://10.0.0.2:6379/0', "
+    "'redis://10.0.0.3:6379/0']}.",
+    "redlock.E003": "Use redis://[[user]:password@]host[:port][/db], "
+    "rediss://... for TLS, or unix:///path/to.sock?db=N; percent-encode any "
+    "/ ? # @ : in the password.",
+    "redlock.E004": "Name a CACHES alias whose BACKEND is one of "
+    + ", ".join(REDIS_CACHE_BACKENDS)
+    + " with a single redis:// LOCATION, or write the node as a redis:// URL.",
+    "redlock.E005": "Give every node its own Redis server: one server listed twice "
+    "votes twice, so a majority of entries is not a majority of servers.",
+    "redlock.E006": "Set TTL to the lease length in seconds: a number above 0 and at "
+    f"most {MAX_TTL:g} (one day), e.g. 10.0.",
+    "redlock.E007": "Set DRIFT_FACTOR to a number >= 0 and < 0.5; the default 0.01 "
+    "allows for 1% clock drift between this host and the nodes.",
+    "redlock.E008": "Set NODE_TIMEOUT to a small number of seconds, at most "
+    f"{NODE_TIMEOUT_SHARE:.0%} of TTL, e.g. 0.05 with TTL = 10.0.",
+    "redlock.E009": "WAIT_TIMEOUT: seconds >= 0, or None to wait without limit. "
+    "RETRY_DELAY, RETRY_JITTER: seconds >= 0, not both 0. MAX_HOLD: seconds "
+    ">= TTL, or None for no cap on auto-extension.",
+    "redlock.E010": "Use a short name such as 'redlock' or 'myproject:lock': at most "
+    f"{MAX_KEY_PREFIX_LENGTH} characters, no whitespace, no control characters and "
+    "none of * ? [ ] \\.",
+    "redlock.E011": "Set AUTO_EXTEND to True or False.",
+    "redlock.W001": "The quorum is N//2 + 1, so 2 nodes tolerate no failure and "
+    "4 nodes tolerate no more failures than 3: use an odd count, 5 recommended.",
+    "redlock.W002": "Databases of one server fail together: give every node its "
+    "own Redis server.",
+    "redlock.W003": "Keep NODE_TIMEOUT well under TTL (at most "
+    f"{NODE_TIMEOUT_SHARE:.0%}), or one slow node can eat the validity window.",
+    "redlock.W004": "Drop ssl_cert_reqs=none (the default is 'required') and set "
+    "ssl_ca_certs to the CA that signed the node's certificate.",
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of ``validate()``: ``level`` is ``ERROR`` or ``WARNING``."""
+
+    level: str
+    id: str
+    msg: str
+    hint: str
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Describe one node of ``REDLOCK["NODES"]`` without connecting to it.
+
+    ``entry`` is the raw setting (it may hold a password, so it is left out of
+    ``repr()``); ``alias`` is the cache alias or None for a URL; ``display`` is a
+    masked address safe for messages and pages; ``identity`` tells which server
+    and database the node is, for duplicate detection: ``("tcp", host, port, db)``
+    or ``("unix", path, db)``, with localhost, 127.0.0.1 and ::1 all written
+    ``127.0.0.1`` (redis-server listens on both loopback addresses by default).
+    """
+
+    index: int
+    entry: str = field(repr=False)
+    alias: str | None
+    display: str
+    identity: tuple[str | int, ...]
+
+    def __str__(self) -> str:
+        return self.display
+
+
+@dataclass(frozen=True)
+class RedlockSettings:
+    """Hold the validated ``REDLOCK`` setting; durations are float seconds."""
+
+    nodes: tuple[NodeSpec, ...]
+    key_prefix: str
+    ttl: float
+    wait_timeout: float | None
+    retry_delay: float
+    retry_jitter: float
+    drift_factor: float
+    node_timeout: float
+    auto_extend: bool
+    max_hold: float | None
+
+
+class _AliasError(ValueError):
+    """A NODES entry names a cache alias that is not a usable Redis cache."""
+
+
+class _URLError(ValueError):
+    """A URL is malformed; the message is the reason, without the URL."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    scheme: str
+    host: str
+    port: int
+    path: str
+    db: int
+    options: dict[str, Any] = field(repr=False)
+
+    @property
+    def display(self) -> str:
+        if self.scheme == "unix":
+            return f"unix://{self.path}" + (f" (db {self.db})" if self.db else "")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}/{self.db}"
+
+    @property
+    def identity(self) -> tuple[str | int, ...]:
+        if self.scheme == "unix":
+            return ("unix", self.path, self.db)
+        return ("tcp", _canonical_host(self.host), self.port, self.db)
+
+
+# --- reading settings -------------------------------------------------------------
+
+
+def raw_settings() -> object:
+    """Return ``settings.REDLOCK`` as it is, or ``{}`` when it is not set."""
+    return getattr(settings, "REDLOCK", {})
+
+
+def _cache_config(alias: str) -> object:
+    caches = getattr(settings, "CACHES", {})
+    return caches.get(alias) if isinstance(caches, Mapping) else None
+
+
+@functools.cache
+def get_settings() -> RedlockSettings:
+    """Return the validated settings, cached until ``REDLOCK`` or ``CACHES`` changes.
+
+    Raise ``ImproperlyConfigured`` when ``validate()`` finds an error; the message
+    starts with the check id, e.g. ``redlock.E002: REDLOCK['NODES'] is empty``.
+    Warnings do not raise: the system checks report them.
+    """
+    problems, values, nodes = _validate(raw_settings())
+    errors = [problem for problem in problems if problem.level == ERROR]
+    if errors:
+        raise ImproperlyConfigured(
+            "; ".join(f"{problem.id}: {problem.msg}" for problem in errors)
+        )
+    return RedlockSettings(
+        nodes=tuple(nodes),
+        key_prefix=str(values["KEY_PREFIX"]),
+        ttl=_seconds(values["TTL"]),
+        wait_timeout=_optional_seconds(values["WAIT_TIMEOUT"]),
+        retry_delay=_seconds(values["RETRY_DELAY"]),
+        retry_jitter=_seconds(values["RETRY_JITTER"]),
+        drift_factor=_seconds(values["DRIFT_FACTOR"]),
+        node_timeout=_seconds(values["NODE_TIMEOUT"]),
+        auto_extend=bool(values["AUTO_EXTEND"]),
+        max_hold=_optional_seconds(values["MAX_HOLD"]),
+    )
+
+
+def reset() -> None:
+    """Forget the cached settings and close the node clients built from them."""
+    get_settings.cache_clear()
+    try:
+        nodes = importlib.import_module("redlock_django.nodes")
+    except ModuleNotFoundError as exc:
+        # Imported here because nodes.py imports this module. Tolerate only
+        # nodes.py itself missing; a module it fails to import is a real error.
+        if exc.name != "redlock_django.nodes":
+            raise
+        return
+    nodes.reset()
+
+
+def _on_setting_changed(*, setting: str, **kwargs: object) -> None:
+    if setting in ("REDLOCK", "CACHES"):
+        reset()
+
+
+# Connected here rather than in AppConfig.ready() so the cache is cleared even when
+# conf.py is used by a project that does not list the app in INSTALLED_APPS.
+setting_changed.connect(_on_setting_changed, dispatch_uid="redlock_django.conf.reset")
+
+
+# --- nodes ------------------------------------------------------------------------
+
+
+def parse_node(entry: str, index: int) -> NodeSpec:
+    """Parse the NODES entry at position ``index`` into a ``NodeSpec``.
+
+    An entry containing ``://`` is a URL; any other string is a ``CACHES`` alias,
+    looked up in the settings now. Raise ``ValueError`` naming the index and the
+    reason when the entry is not a string, is empty, is a malformed URL, or names
+    an alias that is missing or not a Redis cache. Messages mask the userinfo.
+    """
+    where = f"REDLOCK['NODES'][{index}]"
+    if not isinstance(entry, str):
+        raise ValueError(
+            f"{where} must be a string (a Redis URL or a CACHES alias), "
+            f"not {type(entry).__name__}"
+        )
+    if not entry.strip():
+        raise ValueError(f"{where} is an empty string")
+    if "://" not in entry:
+        return _parse_alias(entry, index, where)
+    try:
+        target = _parse_url(entry)
+    except _URLError as exc:
+        raise ValueError(
+            f"{where} {_mask(entry)!r} is not a valid Redis URL: {exc}"
+        ) from None
+    return NodeSpec(index, entry, None, target.display, target.identity)
+
+
+def connection_params(
+    node: NodeSpec,
+) -> tuple[type[AbstractConnection], dict[str, Any]]:
+    """Return the redis-py connection class and its keyword arguments for ``node``.
+
+    For a URL they come from ``redis.connection.parse_url`` (pool-level options
+    such as ``max_connections`` are dropped); for a cache alias, from the pool of
+    that cache's write client, so the cache's OPTIONS (password, TLS, timeouts)
+    apply, without the bookkeeping keys the pool adds for itself. Nothing connects.
+    The dict is a fresh copy the caller may change.
+    """
+    if node.alias is None:
+        kwargs = _redis_parse_url(_normalise_scheme(node.entry))
+        connection_class = kwargs.pop("connection_class", Connection)
+        for option in _POOL_OPTIONS:
+            kwargs.pop(option, None)
+        return connection_class, kwargs
+    from django.core.cache import caches
+
+    cache = caches[node.alias]
+    # django-redis wraps its client in ``.client``; Django's own backend in ``._cache``.
+    client = getattr(cache, "client", None) or getattr(cache, "_cache", None)
+    if client is None or not hasattr(client, "get_client"):
+        raise ImproperlyConfigured(
+            f"redlock.E004: {node.display} is not a Redis cache with one write client"
+        )
+    pool = client.get_client(write=True).connection_pool
+    kwargs = {
+        name: value
+        for name, value in pool.connection_kwargs.items()
+        if name not in _POOL_STATE
+    }
+    return pool.connection_class, kwargs
+
+
+def _parse_url(url: str) -> _Target:
+    scheme = url.partition("://")[0]
+    if scheme.lower() not in ("redis", "rediss", "unix"):
+        shown = repr(scheme) if _SCHEME_RE.fullmatch(scheme) else "of the entry"
+        raise _URLError(f"the scheme {shown} is not redis://, rediss:// or unix://")
+    url = _normalise_scheme(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise _URLError("the host has unbalanced [ ] brackets") from None
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise _URLError("the port is not a number from 1 to 65535")
+    try:
+        options = _redis_parse_url(url)
+    except ValueError as exc:
+        # redis-py names the option but not its value: safe to repeat.
+        raise _URLError(str(exc)[0].lower() + str(exc)[1:].rstrip(".")) from None
+    options.pop("connection_class", None)
+    _check_options(parts.scheme, options)
+    db = options.get("db", 0)
+    if parts.scheme == "unix":
+        if not options.get("path"):
+            raise _URLError("no socket path (write unix:///path/to.sock)")
+        return _Target("unix", "", 0, options["path"], _check_db(db), options)
+    if not parts.hostname:
+        raise _URLError("no host")
+    path = unquote(parts.path)
+    if path not in ("", "/") and "db" not in parse_qs(parts.query):
+        if not re.fullmatch(r"/\d+/?", path):
+            raise _URLError(f"the path {path!r} is not a database number")
+        db = int(path.strip("/"))
+    host = unquote(parts.hostname)
+    return _Target(
+        parts.scheme, host, port or _DEFAULT_PORT, "", _check_db(db), options
+    )
+
+
+def _check_db(db: int) -> int:
+    if db < 0:
+        raise _URLError(f"the database number {db} is negative")
+    return db
+
+
+def _check_options(scheme: str, options: dict[str, Any]) -> None:
+    known = _connection_parameters(scheme) | _POOL_OPTIONS
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise _URLError(
+            "unknown option "
+            + ", ".join(repr(name) for name in unknown)
+            + f" for a {scheme}:// connection"
+        )
+    cert_reqs = options.get("ssl_cert_reqs")
+    if isinstance(cert_reqs, str) and cert_reqs not in ("none", "optional", "required"):
+        raise _URLError("ssl_cert_reqs must be none, optional or required")
+
+
+@functools.cache
+def _connection_parameters(scheme: str) -> frozenset[str]:
+    connection_class: type[AbstractConnection] = {
+        "redis": Connection,
+        "rediss": SSLConnection,
+        "unix": UnixDomainSocketConnection,
+    }[scheme]
+    # Connection.__init__ passes **kwargs up to AbstractConnection.__init__, so the
+    # accepted names are those of every __init__ in the MRO.
+    names: set[str] = set()
+    for klass in connection_class.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        names.update(
+            name
+            for name, parameter in inspect.signature(init).parameters.items()
+            if parameter.kind
+            in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+        )
+    names.discard("self")
+    return frozenset(names)
+
+
+def _redis_parse_url(url: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
+    return kwargs
+
+
+def _parse_alias(alias: str, index: int, where: str) -> NodeSpec:
+    named = f"{where} names the cache alias {_mask(alias)!r}"
+    config = _cache_config(alias)
+    if not isinstance(config, Mapping):
+        looks_like_url = any(char in alias for char in ":/@")
+        raise _AliasError(
+            f"{named}, which is not in CACHES"
+            + (" (a URL needs a scheme such as redis://)" if looks_like_url else "")
+        )
+    backend = config.get("BACKEND")
+    if not _is_redis_backend(backend):
+        raise _AliasError(f"{named}, whose BACKEND {backend!r} is not a Redis cache")
+    client_class = _mapping(config.get("OPTIONS")).get("CLIENT_CLASS", "")
+    if isinstance(client_class, str) and client_class.endswith("ShardClient"):
+        raise _AliasError(f"{named}, a sharded cache that spans several servers")
+    location = _primary_location(config.get("LOCATION"))
+    if location is None:
+        raise _AliasError(f"{named}, whose LOCATION is not a Redis URL")
+    try:
+        target = _parse_url(location)
+    except _URLError as exc:
+        raise _AliasError(
+            f"{named}, whose LOCATION {_mask(location)!r} is not a valid Redis URL: "
+            f"{exc}"
+        ) from None
+    return NodeSpec(
+        index, alias, alias, f"cache:{alias} ({target.display})", target.identity
+    )
+
+
+def _is_redis_backend(backend: object) -> bool:
+    if not isinstance(backend, str):
+        return False
+    if backend in REDIS_CACHE_BACKENDS:
+        return True
+    try:
+        backend_class = import_string(backend)
+        bases = tuple(import_string(path) for path in REDIS_CACHE_BACKENDS)
+    except ImportError:
+        return False
+    return isinstance(backend_class, type) and issubclass(backend_class, bases)
+
+
+def _primary_location(location: object) -> str | None:
+    # Both backends write to the first server of a list or a ;/,-separated string.
+    if isinstance(location, str):
+        location = re.split("[;,]", location)
+    if isinstance(location, list | tuple) and location:
+        first = location[0]
+        if isinstance(first, str) and "://" in first:
+            return first
+    return None
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _normalise_scheme(url: str) -> str:
+    # parse_url() only accepts a lower-case scheme.
+    scheme, _, rest = url.partition("://")
+    return f"{scheme.lower()}://{rest}"
+
+
+def _mask(entry: str) -> str:
+    """Return ``entry`` with everything up to its last ``@`` and its query hidden."""
+    scheme, separator, rest = entry.rpartition("://")
+    if "@" in rest:
+        rest = "***@" + rest.rpartition("@")[2]
+    rest = rest.partition("?")[0].partition("#")[0]
+    return f"{scheme}{separator}{rest}"
+
+
+def _canonical_host(host: str) -> str:
+    host = host.lower().rstrip(".")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return "127.0.0.1" if host == "localhost" else host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    return "127.0.0.1" if str(address) in ("127.0.0.1", "::1") else str(address)
+
+
+def _tls_unverified(node: NodeSpec) -> bool:
+    """Tell whether ``node`` uses TLS without verifying the server certificate."""
+    if node.alias is None:
+        url, extra = node.entry, {}
+    else:
+        config = _cache_config(node.alias)
+        assert isinstance(config, Mapping)
+        url = _primary_location(config.get("LOCATION")) or ""
+        options = _mapping(config.get("OPTIONS"))
+        # Django's backend passes OPTIONS to the pool; django-redis nests them.
+        extra = {**options, **_mapping(options.get("CONNECTION_POOL_KWARGS"))}
+    if not _normalise_scheme(url).startswith("rediss://"):
+        return False
+    cert_reqs = {**_parse_url(url).options, **extra}.get("ssl_cert_reqs", "required")
+    # redis-py reads None as ssl.CERT_NONE.
+    return cert_reqs is None or cert_reqs in ("none", ssl.CERT_NONE)
+
+
+# --- validation -------------------------------------------------------------------
+
+
+def validate(raw: object) -> list[Problem]:
+    """Return every problem of the ``REDLOCK`` value ``raw``, errors and warnings.
+
+    Reads ``CACHES`` for nodes given as cache aliases; never touches the network.
+    """
+    return _validate(raw)[0]
+
+
+def _validate(
+    raw: object,
+) -> tuple[list[Problem], dict[str, object], list[NodeSpec]]:
+    problems: list[Problem] = []
+
+    def error(check_id: str, msg: str) -> None:
+        problems.append(Problem(ERROR, check_id, msg, _HINTS[check_id]))
+
+    def warning(check_id: str, msg: str) -> None:
+        problems.append(Problem(WARNING, check_id, msg, _HINTS[check_id]))
+
+    if not isinstance(raw, Mapping):
+        error(
+            "redlock.E001",
+            f"REDLOCK must be a dict, not {type(raw).__name__}",
+        )
+        return problems, dict(DEFAULTS), []
+    for key in raw:
+        if key not in DEFAULTS:
+            error("redlock.E001", f"REDLOCK has an unknown key {key!r}{_suggest(key)}")
+    values = {**DEFAULTS, **{key: raw[key] for key in raw if key in DEFAULTS}}
+
+    nodes = _validate_nodes(values["NODES"], error, warning)
+
+    ttl = _number(values["TTL"])
+    if ttl is None or ttl <= 0:
+        error(
+            "redlock.E006",
+            f"REDLOCK['TTL'] is {_show(values['TTL'])}; "
+            "it must be a finite number of seconds above 0",
+        )
+        ttl = None
+    elif ttl > MAX_TTL:
+        error(
+            "redlock.E006",
+            f"REDLOCK['TTL'] is {ttl:g} seconds, more than a day ({MAX_TTL:g})",
+        )
+        ttl = None
+
+    drift = _number(values["DRIFT_FACTOR"])
+    if drift is None or not 0 <= drift < 0.5:
+        error(
+            "redlock.E007",
+            f"REDLOCK['DRIFT_FACTOR'] is {_show(values['DRIFT_FACTOR'])}; "
+            "it must be a number >= 0 and < 0.5",
+        )
+        drift = None
+
+    node_timeout = _number(values["NODE_TIMEOUT"])
+    if node_timeout is None or node_timeout <= 0:
+        error(
+            "redlock.E008",
+            f"REDLOCK['NODE_TIMEOUT'] is {_show(values['NODE_TIMEOUT'])}; "
+            "it must be a finite number of seconds above 0",
+        )
+    elif ttl is not None and node_timeout >= ttl:
+        error(
+            "redlock.E008",
+            f"REDLOCK['NODE_TIMEOUT'] ({node_timeout:g}) is not below TTL ({ttl:g})",
+        )
+    elif (
+        ttl is not None
+        and drift is not None
+        and protocol.validity(ttl, node_timeout, drift) <= 0
+    ):
+        error(
+            "redlock.E008",
+            f"REDLOCK['NODE_TIMEOUT'] ({node_timeout:g}) leaves no validity: TTL "
+            f"{ttl:g} minus the drift allowance {protocol.drift(ttl, drift):g} "
+            "minus NODE_TIMEOUT is <= 0",
+        )
+    elif ttl is not None and node_timeout > NODE_TIMEOUT_SHARE * ttl:
+        warning(
+            "redlock.W003",
+            f"REDLOCK['NODE_TIMEOUT'] ({node_timeout:g}) is more than "
+            f"{NODE_TIMEOUT_SHARE:.0%} of TTL ({ttl:g}): one slow node can use up "
+            "most of the validity window",
+        )
+
+    _validate_timing(values, ttl, error, max_hold_is_default="MAX_HOLD" not in raw)
+
+    prefix = values["KEY_PREFIX"]
+    reason = _prefix_problem(prefix)
+    if reason:
+        error("redlock.E010", f"REDLOCK['KEY_PREFIX'] {_show(prefix)} {reason}")
+
+    if not isinstance(values["AUTO_EXTEND"], bool):
+        error(
+            "redlock.E011",
+            f"REDLOCK['AUTO_EXTEND'] is {_show(values['AUTO_EXTEND'])}, not a bool",
+        )
+    return problems, values, nodes
+
+
+def _validate_nodes(
+    entries: object,
+    error: Any,
+    warning: Any,
+) -> list[NodeSpec]:
+    if not isinstance(entries, list | tuple):
+        error(
+            "redlock.E002",
+            "REDLOCK['NODES'] must be a list or tuple of Redis URLs or cache "
+            f"aliases, not {type(entries).__name__}",
+        )
+        return []
+    if not entries:
+        error("redlock.E002", "REDLOCK['NODES'] is empty")
+        return []
+    nodes: list[NodeSpec] = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, str):
+            # The value itself may be a dict holding a password: show the type only.
+            error(
+                "redlock.E002",
+                f"REDLOCK['NODES'][{index}] must be a string (a Redis URL or a "
+                f"CACHES alias), not {type(entry).__name__}",
+            )
+            continue
+        try:
+            nodes.append(parse_node(entry, index))
+        except _AliasError as exc:
+            error("redlock.E004", str(exc))
+        except ValueError as exc:
+            error("redlock.E003", str(exc))
+
+    if len(entries) > 1 and len(entries) % 2 == 0:
+        warning(
+            "redlock.W001",
+            f"REDLOCK['NODES'] has {len(entries)} nodes, an even number: the quorum "
+            f"is {len(entries) // 2 + 1}, so it tolerates {len(entries) // 2 - 1} "
+            f"failed node(s), no more than {len(entries) - 1} nodes would",
+        )
+
+    by_identity: dict[tuple[str | int, ...], list[NodeSpec]] = {}
+    for node in nodes:
+        by_identity.setdefault(node.identity, []).append(node)
+    by_server: dict[tuple[str | int, ...], list[NodeSpec]] = {}
+    for identity, same in by_identity.items():
+        by_server.setdefault(identity[:-1], []).append(same[0])
+        if len(same) > 1:
+            error(
+                "redlock.E005",
+                f"{_positions(same)} are the same Redis server and database "
+                f"({same[0].display}), not independent nodes",
+            )
+    for same_server in by_server.values():
+        if len(same_server) > 1:
+            warning(
+                "redlock.W002",
+                f"{_positions(same_server)} are different databases on one Redis "
+                f"server ({', '.join(node.display for node in same_server)}), "
+                "not independent nodes",
+            )
+
+    for node in nodes:
+        if _tls_unverified(node):
+            warning(
+                "redlock.W004",
+                f"REDLOCK['NODES'][{node.index}] ({node.display}) uses TLS with "
+                "ssl_cert_reqs=none: the server certificate is not verified",
+            )
+    return nodes
+
+
+def _validate_timing(
+    values: dict[str, object],
+    ttl: float | None,
+    error: Any,
+    *,
+    max_hold_is_default: bool,
+) -> None:
+    wait_timeout = values["WAIT_TIMEOUT"]
+    number = _number(wait_timeout)
+    if wait_timeout is not None and (number is None or number < 0):
+        error(
+            "redlock.E009",
+            f"REDLOCK['WAIT_TIMEOUT'] is {_show(wait_timeout)}; it must be a finite "
+            "number of seconds >= 0, or None to wait without limit",
+        )
+    delays: list[float] = []
+    for key in ("RETRY_DELAY", "RETRY_JITTER"):
+        number = _number(values[key])
+        if number is None or number < 0:
+            error(
+                "redlock.E009",
+                f"REDLOCK[{key!r}] is {_show(values[key])}; it must be a finite "
+                "number of seconds >= 0",
+            )
+        else:
+            delays.append(number)
+    if len(delays) == 2 and sum(delays) <= 0:
+        error(
+            "redlock.E009",
+            "REDLOCK['RETRY_DELAY'] and REDLOCK['RETRY_JITTER'] are both 0: "
+            "retries would spin without pause",
+        )
+    max_hold = values["MAX_HOLD"]
+    number = _number(max_hold)
+    if max_hold is not None and (number is None or number <= 0):
+        error(
+            "redlock.E009",
+            f"REDLOCK['MAX_HOLD'] is {_show(max_hold)}; it must be a finite number "
+            "of seconds above 0, or None for no cap on auto-extension",
+        )
+    elif number is not None and ttl is not None and number < ttl:
+        error(
+            "redlock.E009",
+            f"REDLOCK['MAX_HOLD'] ({number:g}"
+            + (", the default" if max_hold_is_default else "")
+            + f") is less than TTL ({ttl:g}): the first lease would already "
+            "outlive the cap",
+        )
+
+
+def _prefix_problem(prefix: object) -> str | None:
+    if not isinstance(prefix, str):
+        return f"is a {type(prefix).__name__}, not a string"
+    if not prefix:
+        return "is empty"
+    if len(prefix) > MAX_KEY_PREFIX_LENGTH:
+        return f"is {len(prefix)} characters long, more than {MAX_KEY_PREFIX_LENGTH}"
+    if any(char.isspace() or unicodedata.category(char)[0] == "C" for char in prefix):
+        return "contains whitespace or a control character"
+    glob = sorted(_GLOB_CHARACTERS.intersection(prefix))
+    if glob:
+        return f"contains the pattern character(s) {' '.join(glob)}"
+    return None
+
+
+def _suggest(key: object) -> str:
+    """Return "; did you mean 'X'?" for the known key(s) closest to ``key``."""
+    text = str(key).upper()
+    scores = {
+        known: difflib.SequenceMatcher(None, text, known).ratio() for known in DEFAULTS
+    }
+    best = max(scores.values())
+    if best < 0.6:
+        return ""
+    closest = [repr(known) for known, score in scores.items() if score == best]
+    return f"; did you mean {' or '.join(closest)}?"
+
+
+def _positions(nodes: list[NodeSpec]) -> str:
+    indexes = [f"NODES[{node.index}]" for node in nodes]
+    return ", ".join(indexes[:-1]) + " and " + indexes[-1]
+
+
+def _number(value: object) -> float | None:
+    """Return ``value`` as a finite float, or None if it is no finite real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _seconds(value: object) -> float:
+    number = _number(value)
+    assert number is not None, "validated"
+    return number
+
+
+def _optional_seconds(value: object) -> float | None:
+    return None if value is None else _seconds(value)
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

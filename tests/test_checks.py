@@ -1,0 +1,303 @@
+"""System checks for ``settings.REDLOCK`` (tag ``redlock``); no Redis server needed."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+from django.apps import apps
+from django.core import checks as django_checks
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+
+from redlock_django import checks
+from redlock_django.apps import RedlockConfig
+from redlock_django.checks import check_settings
+
+GOOD = {
+    "NODES": [f"redis://10.0.0.{i}:6379/0" for i in range(1, 6)],
+    "KEY_PREFIX": "redlock",
+    "TTL": 10.0,
+    "WAIT_TIMEOUT": 10.0,
+    "RETRY_DELAY": 0.05,
+    "RETRY_JITTER": 0.05,
+    "DRIFT_FACTOR": 0.01,
+    "NODE_TIMEOUT": 0.05,
+    "AUTO_EXTEND": False,
+    "MAX_HOLD": 300.0,
+}
+THREE = ["redis://h1:6379/0", "redis://h2:6379/0", "redis://h3:6379/0"]
+SECRET = "s3cret-pw"
+
+
+def run(settings: Any, redlock: object) -> list[django_checks.CheckMessage]:
+    settings.REDLOCK = redlock
+    return check_settings(None)
+
+
+def ids(settings: Any, redlock: object) -> list[str]:
+    return [message.id or "" for message in run(settings, redlock)]
+
+
+def test_a_good_five_node_config_passes_every_check(settings: Any) -> None:
+    """Every key set to a sane value, five distinct servers: no message at all."""
+    assert run(settings, GOOD) == []
+
+
+def test_a_single_node_is_single_instance_mode_without_warning(settings: Any) -> None:
+    """One node needs no quorum, so it is neither an error nor a warning."""
+    assert run(settings, {"NODES": ["redis://127.0.0.1:6379/0"]}) == []
+
+
+@pytest.mark.parametrize(
+    ("redlock", "expected"),
+    [
+        (["redis://h:6379/0"], checks.E001),
+        (None, checks.E001),
+        ({**GOOD, "NODE": THREE}, checks.E001),
+        ({**GOOD, "NODES": []}, checks.E002),
+        ({**GOOD, "NODES": "redis://h1:6379/0"}, checks.E002),
+        ({**GOOD, "NODES": [*THREE[:2], {"host": "h3"}]}, checks.E002),
+        ({**GOOD, "NODES": [*THREE[:2], "redis://h3:port/0"]}, checks.E003),
+        ({**GOOD, "NODES": [*THREE[:2], "redis://h3/db0"]}, checks.E003),
+        ({**GOOD, "NODES": [*THREE[:2], "nosuchcache"]}, checks.E004),
+        ({**GOOD, "NODES": [*THREE[:2], "redis://H1:6379/0"]}, checks.E005),
+        ({**GOOD, "TTL": 0}, checks.E006),
+        ({**GOOD, "TTL": 86401, "MAX_HOLD": None}, checks.E006),
+        ({**GOOD, "DRIFT_FACTOR": 0.5}, checks.E007),
+        ({**GOOD, "NODE_TIMEOUT": -1}, checks.E008),
+        ({**GOOD, "NODE_TIMEOUT": 10.0}, checks.E008),
+        ({**GOOD, "TTL": 0.01, "MAX_HOLD": 1, "NODE_TIMEOUT": 0.008}, checks.E008),
+        ({**GOOD, "WAIT_TIMEOUT": -1}, checks.E009),
+        ({**GOOD, "WAIT_TIMEOUT": "5"}, checks.E009),
+        ({**GOOD, "RETRY_DELAY": -0.1}, checks.E009),
+        ({**GOOD, "RETRY_DELAY": 0, "RETRY_JITTER": 0}, checks.E009),
+        ({**GOOD, "MAX_HOLD": 0}, checks.E009),
+        ({**GOOD, "MAX_HOLD": 5}, checks.E009),
+        ({**GOOD, "KEY_PREFIX": ""}, checks.E010),
+        ({**GOOD, "KEY_PREFIX": "my lock"}, checks.E010),
+        ({**GOOD, "KEY_PREFIX": "lock\x00"}, checks.E010),
+        ({**GOOD, "KEY_PREFIX": "lock*"}, checks.E010),
+        ({**GOOD, "KEY_PREFIX": "lock[1]"}, checks.E010),
+        ({**GOOD, "KEY_PREFIX": "x" * 65}, checks.E010),
+        ({**GOOD, "KEY_PREFIX": b"redlock"}, checks.E010),
+        ({**GOOD, "AUTO_EXTEND": "yes"}, checks.E011),
+        ({**GOOD, "NODES": THREE[:2]}, checks.W001),
+        ({**GOOD, "NODES": [*THREE, "redis://h4:6379/0"]}, checks.W001),
+        ({**GOOD, "NODES": [*THREE[:2], "redis://h1:6379/1"]}, checks.W002),
+        ({**GOOD, "TTL": 1, "MAX_HOLD": 1, "NODE_TIMEOUT": 0.06}, checks.W003),
+        (
+            {**GOOD, "NODES": [*THREE[:2], "rediss://h3:6380/0?ssl_cert_reqs=none"]},
+            checks.W004,
+        ),
+    ],
+)
+def test_each_bad_config_gets_exactly_its_check_id(
+    settings: Any, redlock: object, expected: str
+) -> None:
+    """A config with one fault produces that fault's id and nothing else."""
+    assert ids(settings, redlock) == [expected]
+
+
+def test_errors_and_warnings_have_the_right_level_object_and_hint(
+    settings: Any,
+) -> None:
+    """Errors are Error, warnings Warning, both on settings.REDLOCK with a hint."""
+    messages = run(settings, {**GOOD, "NODES": THREE[:2], "TTL": -1})
+
+    assert [(type(m), m.id, m.obj) for m in messages] == [
+        (django_checks.Warning, checks.W001, "settings.REDLOCK"),
+        (django_checks.Error, checks.E006, "settings.REDLOCK"),
+    ]
+    assert "5 recommended" in (messages[0].hint or "")
+    assert "TTL" in (messages[1].hint or "")
+
+
+def test_unknown_key_message_suggests_the_closest_key(settings: Any) -> None:
+    """A typo such as NODE names itself and proposes NODES."""
+    [message] = run(settings, {**GOOD, "NODE": THREE})
+
+    assert message.msg == "REDLOCK has an unknown key 'NODE'; did you mean 'NODES'?"
+
+
+def test_even_node_count_message_gives_quorum_and_tolerance(settings: Any) -> None:
+    """Four nodes: quorum 3, one failure tolerated, the same as three nodes."""
+    [message] = run(settings, {**GOOD, "NODES": [*THREE, "redis://h4:6379/0"]})
+
+    assert message.msg == (
+        "REDLOCK['NODES'] has 4 nodes, an even number: the quorum is 3, so it "
+        "tolerates 1 failed node(s), no more than 3 nodes would"
+    )
+
+
+@pytest.mark.parametrize("count", [1, 3, 5, 7])
+def test_odd_node_counts_do_not_warn(settings: Any, count: int) -> None:
+    """W001 is for even counts only."""
+    nodes = [f"redis://h{i}:6379/0" for i in range(count)]
+
+    assert run(settings, {**GOOD, "NODES": nodes}) == []
+
+
+def test_malformed_url_message_names_the_index_and_masks_the_password(
+    settings: Any,
+) -> None:
+    """E003 says which entry and why, with userinfo and query string hidden."""
+    nodes = [*THREE[:2], f"redis://admin:{SECRET}@h3:port/0?password={SECRET}"]
+
+    [message] = run(settings, {**GOOD, "NODES": nodes})
+
+    assert message.msg == (
+        "REDLOCK['NODES'][2] 'redis://***@h3:port/0' is not a valid Redis URL: "
+        "the port is not a number from 1 to 65535"
+    )
+
+
+def test_duplicate_servers_are_found_through_localhost_and_cache_aliases(
+    settings: Any,
+) -> None:
+    """localhost, 127.0.0.1 and a cache on the same address are one server."""
+    settings.CACHES = {
+        **settings.CACHES,
+        "locks": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": f"redis://:{SECRET}@127.0.0.1:7001/0",
+        },
+    }
+    nodes = ["redis://localhost:7001/0", "locks", "redis://h3:7001/0"]
+
+    [message] = run(settings, {**GOOD, "NODES": nodes})
+
+    assert message.id == checks.E005
+    assert message.msg == (
+        "NODES[0] and NODES[1] are the same Redis server and database "
+        "(redis://localhost:7001/0), not independent nodes"
+    )
+
+
+def test_databases_of_one_server_warn_without_erroring(settings: Any) -> None:
+    """Two dbs of one server are W002, not E005: they are different keyspaces."""
+    nodes = ["redis://h1:7001/0", "redis://h1:7001/1", "redis://h1:7001/2"]
+
+    [message] = run(settings, {**GOOD, "NODES": nodes})
+
+    assert message.id == checks.W002
+    assert message.msg.startswith(
+        "NODES[0], NODES[1] and NODES[2] are different databases on one Redis server"
+    )
+
+
+def test_cache_alias_that_is_not_redis_is_an_error(settings: Any) -> None:
+    """E004 names the alias and its backend."""
+    settings.CACHES = {
+        **settings.CACHES,
+        "local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    }
+
+    [message] = run(settings, {**GOOD, "NODES": [*THREE[:2], "local"]})
+
+    assert message.id == checks.E004
+    assert message.msg == (
+        "REDLOCK['NODES'][2] names the cache alias 'local', whose BACKEND "
+        "'django.core.cache.backends.locmem.LocMemCache' is not a Redis cache"
+    )
+
+
+def test_a_valid_cache_alias_passes(settings: Any) -> None:
+    """A django-redis cache on its own server is a node like any URL."""
+    settings.CACHES = {
+        **settings.CACHES,
+        "locks": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": "redis://h3:6379/0",
+        },
+    }
+
+    assert run(settings, {**GOOD, "NODES": [*THREE[:2], "locks"]}) == []
+
+
+@pytest.mark.parametrize("cert_reqs", [None, "none"])
+def test_tls_cache_alias_without_certificate_check_warns(
+    settings: Any, cert_reqs: str | None
+) -> None:
+    """W004 also reads ssl_cert_reqs from a cache's OPTIONS (None means none)."""
+    settings.CACHES = {
+        **settings.CACHES,
+        "locks": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": "rediss://h3:6380/0",
+            "OPTIONS": {"ssl_cert_reqs": cert_reqs},
+        },
+    }
+
+    assert ids(settings, {**GOOD, "NODES": [*THREE[:2], "locks"]}) == [checks.W004]
+
+
+@pytest.mark.parametrize("query", ["", "?ssl_cert_reqs=required"])
+def test_verified_tls_does_not_warn(settings: Any, query: str) -> None:
+    """rediss:// with the default or required certificate check is fine."""
+    nodes = [*THREE[:2], f"rediss://h3:6380/0{query}"]
+
+    assert run(settings, {**GOOD, "NODES": nodes}) == []
+
+
+def test_checks_and_runtime_report_the_same_message(settings: Any) -> None:
+    """The check's message is the text of the runtime ImproperlyConfigured."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from redlock_django import conf
+
+    [message] = run(settings, {**GOOD, "DRIFT_FACTOR": 1})
+
+    with pytest.raises(ImproperlyConfigured) as excinfo:
+        conf.get_settings()
+    assert str(excinfo.value) == f"{message.id}: {message.msg}"
+
+
+def test_app_config_registers_the_check_under_the_redlock_tag() -> None:
+    """RedlockConfig is the app's config and its ready() registered the check."""
+    config = apps.get_app_config("redlock_django")
+
+    assert isinstance(config, RedlockConfig)
+    assert config.verbose_name == "Redlock"
+    assert checks.TAG == "redlock"
+    assert "redlock" in django_checks.registry.registry.tags_available()
+    assert check_settings in django_checks.registry.registry.get_checks()
+
+
+def test_manage_py_check_fails_for_a_bad_config(settings: Any) -> None:
+    """`manage.py check` stops with SystemCheckError naming the id."""
+    settings.REDLOCK = {**GOOD, "NODES": []}
+
+    with pytest.raises(SystemCheckError, match=r"redlock\.E002"):
+        call_command("check", stdout=io.StringIO(), stderr=io.StringIO())
+
+
+def test_manage_py_check_with_the_redlock_tag_fails_for_a_bad_config(
+    settings: Any,
+) -> None:
+    """`manage.py check --tag redlock` runs this app's check."""
+    settings.REDLOCK = {**GOOD, "TTL": "ten"}
+
+    with pytest.raises(SystemCheckError, match=r"redlock\.E006"):
+        call_command("check", tags=["redlock"], stdout=io.StringIO())
+
+
+def test_manage_py_check_passes_a_good_config(settings: Any) -> None:
+    """A good config makes `manage.py check` report no issues."""
+    settings.REDLOCK = GOOD
+    stdout = io.StringIO()
+
+    call_command("check", stdout=stdout)
+
+    assert "System check identified no issues" in stdout.getvalue()
+
+
+def test_manage_py_check_prints_warnings_without_failing(settings: Any) -> None:
+    """Warnings such as an even node count are shown but do not stop the command."""
+    settings.REDLOCK = {**GOOD, "NODES": THREE[:2]}
+    stdout, stderr = io.StringIO(), io.StringIO()
+
+    call_command("check", stdout=stdout, stderr=stderr)
+
+    assert "redlock.W001" in stderr.getvalue() + stdout.getvalue()
