@@ -1,0 +1,76 @@
+"""The asyncio driver: runs the same protocol flows with redis.asyncio.
+
+Each node call is bounded by NODE_TIMEOUT with ``asyncio.wait_for``; redis-py drops
+the connection of a cancelled command, so a late reply never reaches the next
+caller. Clean-up steps (``Fanout.critical``) are shielded: cancelling the caller
+does not leave a partial lock behind, the cancellation propagates once they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio
+from redis.exceptions import NoScriptError
+
+from .protocol import Fanout, NodeReply, Sleep, Step
+from .sync import describe
+
+__all__ = ["fanout", "run"]
+
+
+async def _call(client: redis.asyncio.Redis, step: Fanout, timeout: float) -> NodeReply:
+    tail = (len(step.keys), *step.keys, *step.args)
+    try:
+        async with asyncio.timeout(timeout):
+            try:
+                value = await client.execute_command("EVALSHA", step.script.sha, *tail)
+            except NoScriptError:
+                value = await client.execute_command("EVAL", step.script.source, *tail)
+    except Exception as exc:
+        return NodeReply(error=describe(exc))
+    return NodeReply(value)
+
+
+async def fanout(
+    clients: Sequence[redis.asyncio.Redis], step: Fanout, timeout: float
+) -> list[NodeReply]:
+    """Run ``step`` on its nodes concurrently; return one reply per targeted node."""
+    targets = range(len(clients)) if step.nodes is None else step.nodes
+    return list(
+        await asyncio.gather(*(_call(clients[i], step, timeout) for i in targets))
+    )
+
+
+async def run(flow: Any, clients: Sequence[redis.asyncio.Redis], timeout: float) -> Any:
+    """Drive a protocol flow to its end and return its result.
+
+    A cancellation during a step is thrown into the flow, so its clean-up steps run
+    (shielded) before the cancellation propagates.
+    """
+    reply: Any = None
+    pending: BaseException | None = None
+    while True:
+        try:
+            step: Step = flow.throw(pending) if pending else flow.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        pending = None
+        try:
+            if isinstance(step, Sleep):
+                reply = None
+                await asyncio.sleep(step.seconds)
+            elif step.critical:
+                work = asyncio.ensure_future(fanout(clients, step, timeout))
+                try:
+                    reply = await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    # Let the clean-up finish, then hand the cancellation on.
+                    reply = await work
+                    raise
+            else:
+                reply = await fanout(clients, step, timeout)
+        except BaseException as exc:
+            pending = exc

@@ -1,0 +1,68 @@
+"""Exceptions raised by redlock_django.
+
+One base class, and one subclass for each situation a caller handles differently::
+
+    LockError                   base; always has .resource
+    ├── LockContentionError     someone else holds it and the wait ran out (HTTP 423)
+    ├── QuorumUnavailableError  fewer than a majority of nodes answered in time: an
+    │                           outage, not contention (HTTP 503)
+    ├── LockNotOwnedError       release/extend of a lock this owner does not hold
+    └── LockLostError           the lease ran out (or an extension failed) while held:
+                                the protected work may have overlapped another holder
+
+Raw ``redis.exceptions`` never escape the public API: per-node failures are reported
+as text in ``.failed`` (node display name -> reason), never with credentials.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = [
+    "LockContentionError",
+    "LockError",
+    "LockLostError",
+    "LockNotOwnedError",
+    "QuorumUnavailableError",
+]
+
+
+class LockError(Exception):
+    """Base class of every error about a Redlock lock."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        resource: str,
+        granted: int = 0,
+        nodes: int = 0,
+        quorum: int = 0,
+        failed: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.resource = resource
+        #: How many nodes granted (or confirmed) the operation.
+        self.granted = granted
+        #: How many nodes the lock runs on.
+        self.nodes = nodes
+        #: How many nodes must agree: ``nodes // 2 + 1``.
+        self.quorum = quorum
+        #: Nodes that did not answer or answered with an error: display name -> reason.
+        self.failed: dict[str, str] = dict(failed or {})
+
+
+class LockContentionError(LockError):
+    """Someone else holds the lock and the wait for it ran out."""
+
+
+class QuorumUnavailableError(LockError):
+    """Fewer than a quorum of nodes answered in time; waiting longer will not help."""
+
+
+class LockNotOwnedError(LockError):
+    """The current owner does not hold the lock it tried to release or extend."""
+
+
+class LockLostError(LockError):
+    """The lease ran out, or could not be extended, while the lock was held."""

@@ -1,0 +1,752 @@
+"""``Redlock``: the public lock object, used with ``with`` or ``async with``.
+
+One object describes a lock (its resource and options); who holds it is tracked per
+*owner*: the current thread for the blocking API, the current asyncio task for the
+``a``-prefixed API. So one object can be shared, an owner can re-acquire what it
+holds (only its outermost release frees it), and nobody can release another
+owner's hold. Settings are read at first use, never at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+import random
+import secrets
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar, cast
+
+from asgiref.sync import iscoroutinefunction
+
+from . import aio, nodes, sync
+from .conf import NodeSpec, RedlockSettings, get_settings, parse_node
+from .exceptions import LockContentionError, LockLostError, LockNotOwnedError
+from .protocol import (
+    Extension,
+    Grant,
+    Lease,
+    LockSpec,
+    acquire_flow,
+    extend_flow,
+    locked_flow,
+    release_flow,
+    watchdog_flow,
+)
+
+__all__ = ["Redlock"]
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: Longest resource name, in characters; keys stay small and bounded.
+MAX_RESOURCE_LENGTH = 200
+#: Bytes of randomness in a token (the Redlock spec assumes 20).
+TOKEN_BYTES = 20
+
+_clock = time.monotonic
+_jitter = random.random
+
+
+def _check_resource(resource: object) -> str:
+    if not isinstance(resource, str) or not resource:
+        raise ValueError(f"resource must be a non-empty string, not {resource!r}")
+    if len(resource) > MAX_RESOURCE_LENGTH:
+        raise ValueError(
+            f"resource is {len(resource)} characters long; "
+            f"the limit is {MAX_RESOURCE_LENGTH}"
+        )
+    if any(ord(c) < 32 or ord(c) == 127 for c in resource):
+        raise ValueError(f"resource {resource!r} contains control characters")
+    return resource
+
+
+def _check_seconds(name: str, value: float | None, *, allow_none: bool) -> None:
+    if value is None:
+        if not allow_none:
+            raise ValueError(f"{name} must be a number of seconds, not None")
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, not {value!r}")
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, not {value!r}")
+
+
+@dataclass(frozen=True)
+class _Config:
+    """A lock's options resolved against the settings of the moment."""
+
+    spec: LockSpec
+    nodes: tuple[NodeSpec, ...]
+    node_timeout: float
+    wait_timeout: float | None
+    auto_extend: bool
+    max_hold: float | None
+    #: Identifies the lock across ``Redlock`` objects: same nodes, same key.
+    identity: tuple[Any, ...]
+
+
+@dataclass(eq=False)
+class _Hold:
+    """One owner's hold of one lock."""
+
+    lease: Lease
+    config: _Config
+    depth: int = 1
+    watchdog: _Watchdog | None = None
+
+
+# owner (a Thread or an asyncio Task) -> lock identity -> hold. Weak keys, so the
+# holds of an owner that ended without releasing do not outlive it.
+_holds: weakref.WeakKeyDictionary[object, dict[tuple[Any, ...], _Hold]] = (
+    weakref.WeakKeyDictionary()
+)
+_holds_lock = threading.Lock()
+
+
+def _sync_owner(method: str) -> object:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return threading.current_thread()
+    raise RuntimeError(
+        f"Redlock.{method}() blocks and cannot run inside an event loop; "
+        f"use 'await lock.a{method}()' or 'async with lock'"
+    )
+
+
+def _async_owner(method: str) -> object:
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError(f"Redlock.a{method}() must run inside an asyncio task")
+    return task
+
+
+def _current_owner() -> object:
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        task = None
+    return task if task is not None else threading.current_thread()
+
+
+def _get_hold(owner: object, identity: tuple[Any, ...]) -> _Hold | None:
+    with _holds_lock:
+        return _holds.get(owner, {}).get(identity)
+
+
+def _put_hold(owner: object, identity: tuple[Any, ...], hold: _Hold) -> None:
+    with _holds_lock:
+        _holds.setdefault(owner, {})[identity] = hold
+
+
+def _drop_hold(owner: object, identity: tuple[Any, ...]) -> None:
+    with _holds_lock:
+        held = _holds.get(owner)
+        if held is not None:
+            held.pop(identity, None)
+            if not held:
+                del _holds[owner]
+
+
+@functools.cache
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+class _Watchdog:
+    """Extends one hold's lease in the background until stopped."""
+
+    def __init__(self, hold: _Hold) -> None:
+        self.hold = hold
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def _flow(self) -> Any:
+        config = self.hold.config
+        return watchdog_flow(
+            config.spec, self.hold.lease, config.max_hold, _clock, _jitter
+        )
+
+    def _report(self) -> None:
+        lease = self.hold.lease
+        if lease.lost is not None:
+            logger.error(
+                "redlock %r lost: %s",
+                self.hold.config.spec.resource,
+                lease.lost,
+            )
+        elif not self._stop.is_set():
+            logger.warning(
+                "redlock %r: auto-extension stopped at max_hold=%ss",
+                self.hold.config.spec.resource,
+                self.hold.config.max_hold,
+            )
+
+    # Blocking: a daemon thread whose sleeps end early when stopped.
+
+    def start_thread(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run_thread,
+            name=f"redlock-watchdog:{self.hold.config.spec.resource}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _sleep(self, seconds: float) -> None:
+        if self._stop.wait(seconds):
+            raise _Stopped
+
+    def _run_thread(self) -> None:
+        config = self.hold.config
+        pools = nodes.sync_pools(config.nodes, config.node_timeout)
+        try:
+            sync.run(self._flow(), pools, config.node_timeout, sleep=self._sleep)
+        except _Stopped:
+            return
+        except Exception:
+            logger.exception("redlock %r watchdog failed", config.spec.resource)
+            self.hold.lease.lost = "the watchdog failed"
+            return
+        self._report()
+
+    # asyncio: a task, cancelled when stopped.
+
+    def start_task(self) -> None:
+        self._task = asyncio.ensure_future(self._run_task())
+
+    async def _run_task(self) -> None:
+        config = self.hold.config
+        clients = nodes.async_clients(config.nodes, config.node_timeout)
+        try:
+            await aio.run(self._flow(), clients, config.node_timeout)
+        except asyncio.CancelledError:
+            if self._stop.is_set():
+                return
+            raise
+        except Exception:
+            logger.exception("redlock %r watchdog failed", config.spec.resource)
+            self.hold.lease.lost = "the watchdog failed"
+            return
+        self._report()
+
+    def stop(self) -> None:
+        """Stop extending, and wait for an extension under way to end."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    async def astop(self) -> None:
+        self._stop.set()
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        elif self._thread is not None:
+            await asyncio.to_thread(self.stop)
+
+
+class _Stopped(Exception):
+    """Raised in the watchdog thread's sleep when the hold was released."""
+
+
+class Redlock:
+    """A distributed lock on ``resource``, held on a majority of Redis nodes.
+
+    ``ttl`` is the lease in seconds: a holder that dies frees the lock after it.
+    ``auto_extend`` keeps extending the lease while held (up to ``max_hold``
+    seconds in all); ``fencing`` gives every acquisition a ``fencing_token``
+    greater than that of every earlier holder, for storage to reject stale
+    writers. ``nodes`` overrides ``REDLOCK["NODES"]``; ``label`` is shown with
+    the holder's host, pid and thread in the admin. Unset options come from
+    ``settings.REDLOCK``. ``reentrant=False`` makes a second acquire by the same
+    owner wait like anyone else's.
+    """
+
+    def __init__(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        auto_extend: bool | None = None,
+        fencing: bool = False,
+        nodes: list[str] | tuple[str, ...] | None = None,
+        label: str = "",
+        max_hold: float | None = None,
+        reentrant: bool = True,
+        retry_delay: float | None = None,
+        retry_jitter: float | None = None,
+        node_timeout: float | None = None,
+        drift_factor: float | None = None,
+    ) -> None:
+        self.resource = _check_resource(resource)
+        _check_seconds("ttl", ttl, allow_none=True)
+        _check_seconds("max_hold", max_hold, allow_none=True)
+        _check_seconds("node_timeout", node_timeout, allow_none=True)
+        for name, value in (
+            ("retry_delay", retry_delay),
+            ("retry_jitter", retry_jitter),
+        ):
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or value < 0
+            ):
+                raise ValueError(f"{name} must be a number >= 0, not {value!r}")
+        if drift_factor is not None and not 0 <= drift_factor < 0.5:
+            raise ValueError(f"drift_factor must be in [0, 0.5), not {drift_factor!r}")
+        if nodes is not None:
+            if isinstance(nodes, str) or not nodes:
+                raise ValueError(
+                    "nodes must be a non-empty list of Redis URLs or aliases"
+                )
+            self._nodes: tuple[NodeSpec, ...] | None = tuple(
+                parse_node(entry, i) for i, entry in enumerate(nodes)
+            )
+        else:
+            self._nodes = None
+        self.ttl = ttl
+        self.auto_extend = auto_extend
+        self.fencing = fencing
+        self.label = str(label)
+        self.max_hold = max_hold
+        self.reentrant = reentrant
+        self.retry_delay = retry_delay
+        self.retry_jitter = retry_jitter
+        self.node_timeout = node_timeout
+        self.drift_factor = drift_factor
+        self._config: _Config | None = None
+        self._config_from: RedlockSettings | None = None
+
+    def __repr__(self) -> str:
+        return f"<Redlock {self.resource!r}>"
+
+    # Configuration, resolved at first use and again when settings change.
+
+    def _resolve(self) -> _Config:
+        settings = get_settings()
+        config = self._config
+        if config is not None and self._config_from is settings:
+            return config
+        node_specs = self._nodes if self._nodes is not None else settings.nodes
+        ttl = self.ttl if self.ttl is not None else settings.ttl
+        node_timeout = (
+            self.node_timeout
+            if self.node_timeout is not None
+            else settings.node_timeout
+        )
+        if node_timeout >= ttl:
+            raise ValueError(
+                f"node_timeout ({node_timeout}s) must be much smaller than ttl ({ttl}s)"
+            )
+        prefix = settings.key_prefix
+        spec = LockSpec(
+            resource=self.resource,
+            key=f"{prefix}:lock:{self.resource}",
+            node_names=tuple(n.display for n in node_specs),
+            ttl=ttl,
+            drift_factor=(
+                self.drift_factor
+                if self.drift_factor is not None
+                else settings.drift_factor
+            ),
+            retry_delay=(
+                self.retry_delay
+                if self.retry_delay is not None
+                else settings.retry_delay
+            ),
+            retry_jitter=(
+                self.retry_jitter
+                if self.retry_jitter is not None
+                else settings.retry_jitter
+            ),
+            fence_key=f"{prefix}:fence:{self.resource}" if self.fencing else None,
+        )
+        config = _Config(
+            spec=spec,
+            nodes=node_specs,
+            node_timeout=node_timeout,
+            wait_timeout=settings.wait_timeout,
+            auto_extend=(
+                self.auto_extend
+                if self.auto_extend is not None
+                else settings.auto_extend
+            ),
+            max_hold=self.max_hold if self.max_hold is not None else settings.max_hold,
+            identity=(tuple(n.identity for n in node_specs), spec.key),
+        )
+        self._config, self._config_from = config, settings
+        return config
+
+    def _wait(
+        self, config: _Config, blocking: bool, timeout: float | None
+    ) -> float | None:
+        if not blocking:
+            if timeout is not None:
+                raise ValueError("can't specify a timeout for a non-blocking call")
+            return 0.0
+        if timeout is None:
+            return config.wait_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"timeout must be a number of seconds, not {timeout!r}")
+        return None if timeout < 0 else float(timeout)
+
+    def _meta(self, config: _Config, holder: str) -> str:
+        return json.dumps(
+            {
+                "host": _hostname(),
+                "pid": os.getpid(),
+                "holder": holder,
+                "acquired_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+                "ttl": config.spec.ttl,
+                "label": self.label,
+            },
+            separators=(",", ":"),
+        )
+
+    def _reenter(self, hold: _Hold) -> bool:
+        lease = hold.lease
+        if lease.lost is not None or _clock() >= lease.valid_until:
+            raise LockLostError(
+                f"cannot re-acquire {self.resource!r}: the lease held by this owner "
+                f"was lost ({lease.lost or 'it ran out'})",
+                resource=self.resource,
+                nodes=hold.config.spec.node_count,
+                quorum=hold.config.spec.quorum,
+            )
+        hold.depth += 1
+        return True
+
+    def _grant(self, owner: object, config: _Config, lease: Lease) -> _Hold:
+        hold = _Hold(lease=lease, config=config)
+        _put_hold(owner, config.identity, hold)
+        if config.auto_extend:
+            hold.watchdog = _Watchdog(hold)
+        return hold
+
+    def _owned(self, owner: object, verb: str) -> _Hold:
+        hold = _get_hold(owner, self._resolve().identity)
+        if hold is None:
+            config = self._resolve()
+            raise LockNotOwnedError(
+                f"cannot {verb} {self.resource!r}: it is not held by this owner",
+                resource=self.resource,
+                nodes=config.spec.node_count,
+                quorum=config.spec.quorum,
+            )
+        return hold
+
+    def _finish_release(self, owner: object, hold: _Hold, released: int) -> None:
+        _drop_hold(owner, hold.config.identity)
+        lease = hold.lease
+        spec = hold.config.spec
+        now = _clock()
+        if lease.lost is not None or now >= lease.valid_until:
+            held_for = now - lease.acquired
+            why = lease.lost or (
+                f"its lease ran out {now - lease.valid_until:.3f}s before release"
+            )
+            raise LockLostError(
+                f"lock {self.resource!r} was lost while held ({held_for:.3f}s): {why}",
+                resource=self.resource,
+                granted=released,
+                nodes=spec.node_count,
+                quorum=spec.quorum,
+            )
+        if released < spec.quorum:
+            logger.warning(
+                "redlock %r released on %d/%d nodes; the rest expire with the lease",
+                self.resource,
+                released,
+                spec.node_count,
+            )
+
+    def _lease(self, grant: Grant) -> Lease:
+        return Lease(
+            token=grant.token,
+            acquired=grant.started,
+            valid_until=grant.valid_until,
+            fencing_token=grant.fencing_token,
+        )
+
+    # Blocking API.
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        """Acquire the lock; return False if others still hold it when the wait ends.
+
+        ``timeout`` is how long to wait (seconds): None means ``WAIT_TIMEOUT`` from
+        the settings, a negative number waits without limit. Raises
+        ``QuorumUnavailableError`` when too few nodes answer: an outage, not a busy
+        lock.
+        """
+        owner = _sync_owner("acquire")
+        config = self._resolve()
+        wait = self._wait(config, blocking, timeout)
+        if self.reentrant:
+            hold = _get_hold(owner, config.identity)
+            if hold is not None:
+                return self._reenter(hold)
+        pools = nodes.sync_pools(config.nodes, config.node_timeout)
+        token = secrets.token_urlsafe(TOKEN_BYTES)
+        holder = threading.current_thread().name
+        flow = acquire_flow(
+            config.spec, token, self._meta(config, holder), wait, _clock, _jitter
+        )
+        try:
+            grant = sync.run(flow, pools, config.node_timeout)
+        except LockContentionError:
+            return False
+        hold = self._grant(owner, config, self._lease(grant))
+        if hold.watchdog is not None:
+            hold.watchdog.start_thread()
+        return True
+
+    def release(self) -> None:
+        """Release the lock; only the owner's outermost release frees it.
+
+        Raises ``LockNotOwnedError`` if the current owner does not hold it, and
+        ``LockLostError`` (after releasing) if its lease ran out while held.
+        """
+        owner = _sync_owner("release")
+        hold = self._owned(owner, "release")
+        if hold.depth > 1:
+            hold.depth -= 1
+            return
+        if hold.watchdog is not None:
+            hold.watchdog.stop()
+        config = hold.config
+        pools = nodes.sync_pools(config.nodes, config.node_timeout)
+        outcome = sync.run(
+            release_flow(config.spec, hold.lease.token), pools, config.node_timeout
+        )
+        self._finish_release(owner, hold, outcome.released)
+
+    def extend(self, ttl: float | None = None) -> bool:
+        """Reset the lease to ``ttl`` seconds (default: the lock's TTL).
+
+        Returns whether a quorum confirmed it in time. Raises ``LockLostError`` when
+        the lease has already run out: an expired lock is never revived.
+        """
+        owner = _sync_owner("extend")
+        hold = self._owned(owner, "extend")
+        config = hold.config
+        _check_seconds("ttl", ttl, allow_none=True)
+        flow = self._extend_flow(hold, ttl)
+        pools = nodes.sync_pools(config.nodes, config.node_timeout)
+        return self._extended(hold, sync.run(flow, pools, config.node_timeout))
+
+    def locked(self) -> bool:
+        """Return whether anyone holds the lock on a quorum of nodes."""
+        _sync_owner("locked")
+        config = self._resolve()
+        pools = nodes.sync_pools(config.nodes, config.node_timeout)
+        return bool(sync.run(locked_flow(config.spec), pools, config.node_timeout))
+
+    def _extend_flow(self, hold: _Hold, ttl: float | None) -> Any:
+        config = hold.config
+        if hold.lease.lost is not None:
+            raise LockLostError(
+                f"cannot extend {self.resource!r}: {hold.lease.lost}",
+                resource=self.resource,
+                nodes=config.spec.node_count,
+                quorum=config.spec.quorum,
+            )
+        return extend_flow(
+            config.spec,
+            hold.lease.token,
+            config.spec.ttl if ttl is None else ttl,
+            hold.lease.valid_until,
+            _clock,
+        )
+
+    def _extended(self, hold: _Hold, extension: Extension) -> bool:
+        if extension.valid_until is None:
+            return False
+        hold.lease.valid_until = extension.valid_until
+        return True
+
+    def __enter__(self) -> Redlock:
+        if not self.acquire():
+            config = self._resolve()
+            raise LockContentionError(
+                f"could not acquire {self.resource!r}: held by another owner",
+                resource=self.resource,
+                nodes=config.spec.node_count,
+                quorum=config.spec.quorum,
+            )
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.release()
+        except LockLostError:
+            if exc is None:
+                raise
+            # The body's own exception matters more; do not mask it.
+            logger.exception("redlock %r lost while its block raised", self.resource)
+
+    # asyncio API: the same flows, driven by aio.py.
+
+    async def aacquire(
+        self, blocking: bool = True, timeout: float | None = None
+    ) -> bool:
+        """Acquire the lock from a coroutine; see ``acquire()``."""
+        owner = _async_owner("acquire")
+        config = self._resolve()
+        wait = self._wait(config, blocking, timeout)
+        if self.reentrant:
+            hold = _get_hold(owner, config.identity)
+            if hold is not None:
+                return self._reenter(hold)
+        clients = nodes.async_clients(config.nodes, config.node_timeout)
+        token = secrets.token_urlsafe(TOKEN_BYTES)
+        holder = cast(asyncio.Task[Any], owner).get_name()
+        flow = acquire_flow(
+            config.spec, token, self._meta(config, holder), wait, _clock, _jitter
+        )
+        try:
+            grant = await aio.run(flow, clients, config.node_timeout)
+        except LockContentionError:
+            return False
+        hold = self._grant(owner, config, self._lease(grant))
+        if hold.watchdog is not None:
+            hold.watchdog.start_task()
+        return True
+
+    async def arelease(self) -> None:
+        """Release the lock from a coroutine; see ``release()``."""
+        owner = _async_owner("release")
+        hold = self._owned(owner, "release")
+        if hold.depth > 1:
+            hold.depth -= 1
+            return
+        if hold.watchdog is not None:
+            await hold.watchdog.astop()
+        config = hold.config
+        clients = nodes.async_clients(config.nodes, config.node_timeout)
+        outcome = await aio.run(
+            release_flow(config.spec, hold.lease.token), clients, config.node_timeout
+        )
+        self._finish_release(owner, hold, outcome.released)
+
+    async def aextend(self, ttl: float | None = None) -> bool:
+        """Extend the lease from a coroutine; see ``extend()``."""
+        owner = _async_owner("extend")
+        hold = self._owned(owner, "extend")
+        config = hold.config
+        _check_seconds("ttl", ttl, allow_none=True)
+        flow = self._extend_flow(hold, ttl)
+        clients = nodes.async_clients(config.nodes, config.node_timeout)
+        return self._extended(hold, await aio.run(flow, clients, config.node_timeout))
+
+    async def alocked(self) -> bool:
+        """Return whether anyone holds the lock; see ``locked()``."""
+        config = self._resolve()
+        clients = nodes.async_clients(config.nodes, config.node_timeout)
+        return bool(
+            await aio.run(locked_flow(config.spec), clients, config.node_timeout)
+        )
+
+    async def __aenter__(self) -> Redlock:
+        if not await self.aacquire():
+            config = self._resolve()
+            raise LockContentionError(
+                f"could not acquire {self.resource!r}: held by another owner",
+                resource=self.resource,
+                nodes=config.spec.node_count,
+                quorum=config.spec.quorum,
+            )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self.arelease()
+        except LockLostError:
+            if exc is None:
+                raise
+            logger.exception("redlock %r lost while its block raised", self.resource)
+
+    # The current owner's view of its hold: local, no network.
+
+    def _current(self) -> _Hold | None:
+        return _get_hold(_current_owner(), self._resolve().identity)
+
+    def owned(self) -> bool:
+        """Return whether the current owner holds the lock with validity left."""
+        hold = self._current()
+        return (
+            hold is not None
+            and hold.lease.lost is None
+            and _clock() < hold.lease.valid_until
+        )
+
+    @property
+    def validity(self) -> float:
+        """Seconds the current owner's lease still guarantees (0.0 if none)."""
+        hold = self._current()
+        if hold is None or hold.lease.lost is not None:
+            return 0.0
+        return max(0.0, hold.lease.valid_until - _clock())
+
+    @property
+    def fencing_token(self) -> int | None:
+        """The current owner's fencing token, when the lock was made with fencing."""
+        hold = self._current()
+        return None if hold is None else hold.lease.fencing_token
+
+    @property
+    def lost(self) -> bool:
+        """Whether the current owner's lease was lost or ran out while held."""
+        hold = self._current()
+        return hold is not None and (
+            hold.lease.lost is not None or _clock() >= hold.lease.valid_until
+        )
+
+    @property
+    def depth(self) -> int:
+        """How many times the current owner holds the lock (0 if not at all)."""
+        hold = self._current()
+        return 0 if hold is None else hold.depth
+
+    # Decorating a function holds the lock for each call.
+
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        """Hold the lock around every call of ``func`` (sync or async)."""
+        if iscoroutinefunction(func):
+            async_func = cast(Callable[P, Awaitable[Any]], func)
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+                async with self:
+                    return await async_func(*args, **kwargs)
+
+            return cast(Callable[P, R], async_wrapper)
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            with self:
+                return func(*args, **kwargs)
+
+        return wrapper

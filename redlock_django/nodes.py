@@ -1,0 +1,125 @@
+"""Per-node redis-py connection pools, built once and cached until settings change.
+
+Every pool gets the lock's own network rules, whatever the URL or cache it came from:
+socket and connect timeouts of NODE_TIMEOUT and no automatic retries (redis-py 8
+defaults to 5 s timeouts and 10 retries, so one hung node would cost a minute, and
+a retried SET NX is not idempotent). RESP2 and no CLIENT SETINFO, so a new
+connection costs no extra round trip. asyncio pools belong to one event loop, so
+they are cached per loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+import redis.asyncio
+import redis.asyncio.connection
+import redis.connection
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .conf import NodeSpec, connection_params
+
+__all__ = ["async_clients", "reset", "sync_pools"]
+
+_lock = threading.Lock()
+_sync: dict[tuple[Any, ...], tuple[redis.ConnectionPool, ...]] = {}
+_async: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop,
+    dict[tuple[Any, ...], tuple[redis.asyncio.Redis, ...]],
+] = weakref.WeakKeyDictionary()
+
+# Connection kwargs that select no CLIENT SETINFO: driver_info in redis-py >= 7.1,
+# lib_name/lib_version before it.
+_NO_SETINFO: dict[str, Any] = (
+    {"driver_info": None}
+    if hasattr(redis.connection, "DriverInfo")
+    else {"lib_name": None, "lib_version": None}
+)
+
+
+def _kwargs(node: NodeSpec, timeout: float) -> tuple[type[Any], dict[str, Any]]:
+    connection_class, kwargs = connection_params(node)
+    kwargs.update(
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        retry_on_error=[],
+        health_check_interval=0,
+        decode_responses=False,
+        **_NO_SETINFO,
+    )
+    if kwargs.get("protocol") is None:
+        kwargs["protocol"] = 2
+    for unused in ("connection_pool_class", "max_connections_per_node"):
+        kwargs.pop(unused, None)
+    return connection_class, kwargs
+
+
+def _key(nodes: Sequence[NodeSpec], timeout: float) -> tuple[Any, ...]:
+    return (tuple((n.entry, n.identity) for n in nodes), timeout)
+
+
+def sync_pools(
+    nodes: Sequence[NodeSpec], timeout: float
+) -> tuple[redis.ConnectionPool, ...]:
+    """Return one blocking connection pool per node, shared by every lock."""
+    key = _key(nodes, timeout)
+    pools = _sync.get(key)
+    if pools is None:
+        with _lock:
+            pools = _sync.get(key)
+            if pools is None:
+                made = []
+                for node in nodes:
+                    connection_class, kwargs = _kwargs(node, timeout)
+                    made.append(
+                        redis.ConnectionPool(
+                            connection_class=connection_class, **kwargs
+                        )
+                    )
+                pools = _sync[key] = tuple(made)
+    return pools
+
+
+def async_clients(
+    nodes: Sequence[NodeSpec], timeout: float
+) -> tuple[redis.asyncio.Redis, ...]:
+    """Return one asyncio client (and pool) per node for the running event loop."""
+    loop = asyncio.get_running_loop()
+    key = _key(nodes, timeout)
+    with _lock:
+        per_loop = _async.setdefault(loop, {})
+        pools = per_loop.get(key)
+        if pools is None:
+            made = []
+            for node in nodes:
+                connection_class, kwargs = _kwargs(node, timeout)
+                async_class = getattr(
+                    redis.asyncio.connection, connection_class.__name__, None
+                )
+                if async_class is None:
+                    async_class = redis.asyncio.connection.Connection
+                pool = redis.asyncio.ConnectionPool(
+                    connection_class=async_class, **kwargs
+                )
+                made.append(redis.asyncio.Redis(connection_pool=pool))
+            pools = per_loop[key] = tuple(made)
+    return pools
+
+
+def reset() -> None:
+    """Close every cached pool; the next lock operation builds new ones."""
+    with _lock:
+        old = list(_sync.values())
+        _sync.clear()
+        _async.clear()
+    for pools in old:
+        for pool in pools:
+            pool.disconnect()

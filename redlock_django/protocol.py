@@ -1,0 +1,388 @@
+"""The Redlock algorithm, written once for the sync and the asyncio drivers.
+
+Each flow is a generator that yields *steps* (``Fanout``: run a script on nodes;
+``Sleep``) and receives the replies; it never does I/O, never sleeps and never reads
+the clock except through the ``clock`` it is given. ``sync.py`` and ``aio.py`` run the
+same flows, so quorum, validity, drift, retries and fencing live only here.
+
+Timeline of one acquisition attempt (spec: redis.io "Distributed Locks with Redis")::
+
+    start = clock()                        before the first byte is sent
+    Fanout(ACQUIRE) to all N nodes         one round trip, nodes in parallel
+    elapsed = clock() - start              after the last reply (or node timeout)
+    validity = ttl - elapsed - (ttl * drift_factor + 2 ms)
+    granted >= N // 2 + 1 and validity > 0  -> held until start + ttl - drift
+    otherwise Fanout(RELEASE) to all N nodes, Sleep(delay + jitter), try again
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .exceptions import (
+    LockContentionError,
+    LockError,
+    LockLostError,
+    QuorumUnavailableError,
+)
+from .scripts import (
+    ACQUIRE_SCRIPT,
+    EXTEND_SCRIPT,
+    FENCE_SCRIPT,
+    PTTL_SCRIPT,
+    RELEASE_SCRIPT,
+    Script,
+)
+
+#: Redis expires keys with millisecond precision; the spec adds 2 ms to the drift.
+EXPIRE_PRECISION = 0.002
+
+Clock = Callable[[], float]
+Random = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class NodeReply:
+    """One node's answer to a script: its value, or why it gave none."""
+
+    value: Any = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class Fanout:
+    """Run ``script`` on the given nodes (all when ``nodes`` is None) at once.
+
+    ``critical`` steps are clean-ups a driver must finish even while the caller is
+    being cancelled, or a partial lock would be left behind until its lease ends.
+    """
+
+    script: Script
+    keys: tuple[str, ...]
+    args: tuple[str | int, ...]
+    nodes: tuple[int, ...] | None = None
+    critical: bool = False
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Wait before the next attempt."""
+
+    seconds: float
+
+
+Step = Fanout | Sleep
+Replies = Sequence[NodeReply]
+Flow = Generator[Step, Any, Any]
+
+
+@dataclass(frozen=True)
+class LockSpec:
+    """What one lock needs to know: its keys, its nodes and its timing."""
+
+    resource: str
+    key: str
+    node_names: tuple[str, ...]
+    ttl: float
+    drift_factor: float
+    retry_delay: float
+    retry_jitter: float
+    #: Key of the fencing counter; None when the lock takes no fencing token.
+    fence_key: str | None = None
+
+    @property
+    def node_count(self) -> int:
+        return len(self.node_names)
+
+    @property
+    def quorum(self) -> int:
+        return quorum(self.node_count)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A successful acquisition."""
+
+    token: str
+    #: Monotonic time just before the winning attempt was sent.
+    started: float
+    #: Monotonic time after which the lease may have run out on a quorum.
+    valid_until: float
+    granted: tuple[int, ...]
+    fencing_token: int | None = None
+
+
+@dataclass(frozen=True)
+class Extension:
+    """The outcome of an extension: ``valid_until`` is set only when it worked."""
+
+    confirmed: int
+    valid_until: float | None
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Release:
+    """The outcome of a release: how many nodes still had our token and dropped it."""
+
+    released: int
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Lease:
+    """A held lock as its holder sees it; the watchdog moves ``valid_until`` on."""
+
+    token: str
+    #: Monotonic time the lock was granted at.
+    acquired: float
+    valid_until: float
+    fencing_token: int | None = None
+    #: Why the lease was lost (an extension failed or it ran out), else None.
+    lost: str | None = None
+
+
+def quorum(node_count: int) -> int:
+    """Return how many nodes make a majority."""
+    return node_count // 2 + 1
+
+
+def drift(ttl: float, drift_factor: float) -> float:
+    """Return the clock-drift allowance for a lease of ``ttl`` seconds."""
+    return ttl * drift_factor + EXPIRE_PRECISION
+
+
+def validity(ttl: float, elapsed: float, drift_factor: float) -> float:
+    """Return the seconds a lease still guarantees after ``elapsed`` seconds."""
+    return ttl - elapsed - drift(ttl, drift_factor)
+
+
+def retry_delay(spec: LockSpec, rand: Random) -> float:
+    """Return a random delay in [retry_delay, retry_delay + retry_jitter]."""
+    return spec.retry_delay + rand() * spec.retry_jitter
+
+
+def ttl_ms(ttl: float) -> int:
+    """Return a lease in whole milliseconds (at least 1: PEXPIRE 0 deletes)."""
+    return max(1, int(ttl * 1000))
+
+
+def _failed(spec: LockSpec, replies: Replies, nodes: Sequence[int]) -> dict[str, str]:
+    return {
+        spec.node_names[i]: reply.error
+        for i, reply in zip(nodes, replies, strict=True)
+        if reply.error is not None
+    }
+
+
+def _error(
+    cls: type[LockError],
+    spec: LockSpec,
+    why: str,
+    granted: int,
+    failed: dict[str, str],
+    action: str = "acquire",
+) -> LockError:
+    message = (
+        f"could not {action} {spec.resource!r}: {why}: "
+        f"{granted}/{spec.node_count} nodes, quorum {spec.quorum}"
+    )
+    if failed:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in failed.items())
+        message += f" (failed: {reasons})"
+    return cls(
+        message,
+        resource=spec.resource,
+        granted=granted,
+        nodes=spec.node_count,
+        quorum=spec.quorum,
+        failed=failed,
+    )
+
+
+def acquire_flow(
+    spec: LockSpec,
+    token: str,
+    meta: str,
+    wait: float | None,
+    clock: Clock,
+    rand: Random,
+) -> Generator[Step, Any, Grant]:
+    """Acquire ``spec`` on a quorum, retrying for up to ``wait`` seconds.
+
+    ``wait`` 0 makes a single attempt; None retries without limit. Raises
+    ``LockContentionError`` when the wait runs out while others hold the lock, and
+    ``QuorumUnavailableError`` at once when too few nodes answer to ever make a
+    quorum (an outage: waiting would not help), or when the wait runs out while
+    nodes answer too slowly for any validity to be left.
+    """
+    every = tuple(range(spec.node_count))
+    keys = (spec.key,) if spec.fence_key is None else (spec.key, spec.fence_key)
+    lease = ttl_ms(spec.ttl)
+    cleanup = Fanout(RELEASE_SCRIPT, (spec.key,), (token,), critical=True)
+    deadline = None if wait is None else clock() + wait
+    while True:
+        start = clock()
+        try:
+            replies: Replies = yield Fanout(ACQUIRE_SCRIPT, keys, (token, lease, meta))
+        except BaseException:
+            yield cleanup
+            raise
+        granted = tuple(
+            i for i, r in zip(every, replies, strict=True) if r.ok and r.value >= 0
+        )
+        failed = _failed(spec, replies, every)
+        left = validity(spec.ttl, clock() - start, spec.drift_factor)
+        fencing_token = None
+        if len(granted) >= spec.quorum and left > 0 and spec.fence_key is not None:
+            fencing_token = max(replies[i].value for i in granted) + 1
+            try:
+                confirms: Replies = yield Fanout(
+                    FENCE_SCRIPT, keys, (token, fencing_token), nodes=granted
+                )
+            except BaseException:
+                yield cleanup
+                raise
+            failed.update(_failed(spec, confirms, granted))
+            granted = tuple(
+                i for i, r in zip(granted, confirms, strict=True) if r.value == 1
+            )
+            left = validity(spec.ttl, clock() - start, spec.drift_factor)
+        if len(granted) >= spec.quorum and left > 0:
+            valid_until = start + spec.ttl - drift(spec.ttl, spec.drift_factor)
+            return Grant(token, start, valid_until, granted, fencing_token)
+
+        # Failed attempt: unlock every node, even those that seemed not to answer
+        # (the SET may have landed and only its reply been lost).
+        yield cleanup
+        if len(failed) > spec.node_count - spec.quorum:
+            raise _error(
+                QuorumUnavailableError,
+                spec,
+                "too few nodes answered",
+                len(granted),
+                failed,
+            )
+        now = clock()
+        if deadline is not None and now >= deadline:
+            if len(granted) >= spec.quorum:
+                why = f"nodes answered too slowly for a {spec.ttl:g}s lease"
+                raise _error(QuorumUnavailableError, spec, why, len(granted), failed)
+            why = "held by another owner" if wait else "held by another owner, no wait"
+            raise _error(LockContentionError, spec, why, len(granted), failed)
+        delay = retry_delay(spec, rand)
+        if deadline is not None:
+            delay = min(delay, deadline - now)
+        yield Sleep(delay)
+
+
+def extend_flow(
+    spec: LockSpec, token: str, ttl: float, valid_until: float, clock: Clock
+) -> Generator[Step, Any, Extension]:
+    """Reset the lease to ``ttl`` seconds on every node that still has our token.
+
+    It counts only if a quorum confirms before the current lease runs out; a lease
+    that already ran out raises ``LockLostError`` without any network call, because
+    reviving it could overlap a holder that came in between.
+    """
+    if ttl <= 0:
+        raise ValueError(f"ttl must be a positive number of seconds, not {ttl!r}")
+    start = clock()
+    if start >= valid_until:
+        raise LockLostError(
+            f"cannot extend {spec.resource!r}: its lease already ran out",
+            resource=spec.resource,
+            nodes=spec.node_count,
+            quorum=spec.quorum,
+        )
+    every = tuple(range(spec.node_count))
+    replies: Replies = yield Fanout(EXTEND_SCRIPT, (spec.key,), (token, ttl_ms(ttl)))
+    now = clock()
+    confirmed = sum(1 for r in replies if r.value == 1)
+    failed = _failed(spec, replies, every)
+    fresh = validity(ttl, now - start, spec.drift_factor)
+    if confirmed >= spec.quorum and fresh > 0 and now < valid_until:
+        return Extension(confirmed, start + ttl - drift(ttl, spec.drift_factor), failed)
+    return Extension(confirmed, None, failed)
+
+
+def release_flow(spec: LockSpec, token: str) -> Generator[Step, Any, Release]:
+    """Delete our token's key on every node; keys of other tokens are left alone."""
+    every = tuple(range(spec.node_count))
+    replies: Replies = yield Fanout(
+        RELEASE_SCRIPT, (spec.key,), (token,), critical=True
+    )
+    released = sum(1 for r in replies if r.value == 1)
+    return Release(released, _failed(spec, replies, every))
+
+
+def locked_flow(spec: LockSpec) -> Generator[Step, Any, bool]:
+    """Return whether anyone holds the lock on a quorum of nodes."""
+    every = tuple(range(spec.node_count))
+    replies: Replies = yield Fanout(PTTL_SCRIPT, (spec.key,), ())
+    held = sum(1 for r in replies if r.ok and r.value > 0)
+    failed = _failed(spec, replies, every)
+    if held < spec.quorum and len(failed) > spec.node_count - spec.quorum:
+        raise _error(
+            QuorumUnavailableError,
+            spec,
+            "too few nodes answered",
+            held,
+            failed,
+            "check",
+        )
+    return held >= spec.quorum
+
+
+def watchdog_delay(lease: Lease, ttl: float, now: float) -> float:
+    """Return how long to wait before extending: about a third into each lease."""
+    return max(0.0, lease.valid_until - now - ttl * 2 / 3)
+
+
+def watchdog_flow(
+    spec: LockSpec, lease: Lease, max_hold: float | None, clock: Clock, rand: Random
+) -> Generator[Step, Any, None]:
+    """Keep ``lease`` alive until the flow is stopped, the hold cap or a loss.
+
+    The flow sleeps until a third of the lease has passed, then extends it; a failed
+    extension is retried after a retry delay while validity is left. It marks the
+    lease lost when validity runs out without a confirmed extension. With
+    ``max_hold`` the last extensions are shortened so the lock ends by then.
+    """
+    while lease.lost is None:
+        yield Sleep(watchdog_delay(lease, spec.ttl, clock()))
+        ttl, last = spec.ttl, False
+        if max_hold is not None:
+            cap = lease.acquired + max_hold - clock()
+            if cap <= spec.ttl:
+                # One last, shorter lease ends the hold at the cap; one too short to
+                # outlast the drift is not worth a round trip.
+                if cap <= spec.retry_delay + drift(spec.ttl, spec.drift_factor):
+                    return
+                ttl, last = cap, True
+        try:
+            extension = yield from extend_flow(
+                spec, lease.token, ttl, lease.valid_until, clock
+            )
+        except LockLostError:
+            lease.lost = "its lease ran out before the watchdog could extend it"
+            return
+        if extension.valid_until is not None:
+            lease.valid_until = extension.valid_until
+            if last:
+                return
+            continue
+        left = lease.valid_until - clock()
+        if left <= 0:
+            lease.lost = (
+                f"extension confirmed by {extension.confirmed}/{spec.node_count} "
+                f"nodes, quorum {spec.quorum}"
+            )
+            return
+        yield Sleep(min(retry_delay(spec, rand), left))

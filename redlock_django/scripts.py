@@ -1,0 +1,111 @@
+"""The Lua scripts run on each Redis node, and nothing else.
+
+A lock is one hash per node, so its holder metadata lives and dies with it:
+``token`` (the random owner value), ``meta`` (JSON: host, pid, thread, label...),
+and ``fence`` (the fencing token, when one was asked for). Every script declares all
+the keys it touches in KEYS, so ACL key patterns apply to them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ACQUIRE_SCRIPT",
+    "EXTEND_SCRIPT",
+    "FENCE_SCRIPT",
+    "PTTL_SCRIPT",
+    "RELEASE_SCRIPT",
+    "Script",
+]
+
+
+@dataclass(frozen=True)
+class Script:
+    """A Lua source with its SHA1, so nodes can run it by EVALSHA."""
+
+    name: str
+    source: str = field(repr=False)
+    sha: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        digest = hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest()
+        object.__setattr__(self, "sha", digest)
+
+
+# KEYS[1] lock key; KEYS[2] (optional) fencing counter key
+# ARGV[1] token; ARGV[2] lease in ms; ARGV[3] holder metadata (JSON)
+# returns -1 when another token (or a foreign value) holds the key; otherwise grants
+# or refreshes our own leftover from an earlier attempt, and returns the fencing
+# counter (0 when absent or not asked for).
+ACQUIRE_SCRIPT = Script(
+    "acquire",
+    """
+local owner = redis.pcall('hget', KEYS[1], 'token')
+if owner and (type(owner) == 'table' or owner ~= ARGV[1]) then
+  return -1
+end
+redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])
+redis.call('pexpire', KEYS[1], ARGV[2])
+if KEYS[2] then
+  return tonumber(redis.call('get', KEYS[2]) or '0')
+end
+return 0
+""",
+)
+
+# KEYS[1] lock key
+# ARGV[1] token
+# returns 1 when our token held the key and it was deleted, else 0 (never touches
+# another holder's key).
+RELEASE_SCRIPT = Script(
+    "release",
+    """
+if redis.pcall('hget', KEYS[1], 'token') == ARGV[1] then
+  return redis.call('del', KEYS[1])
+end
+return 0
+""",
+)
+
+# KEYS[1] lock key
+# ARGV[1] token; ARGV[2] new lease in ms
+# returns 1 when our token still held the key and its lease was reset, else 0. A key
+# that expired is never re-created, so an extension cannot revive a lost lock.
+EXTEND_SCRIPT = Script(
+    "extend",
+    """
+if redis.pcall('hget', KEYS[1], 'token') == ARGV[1] then
+  return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+""",
+)
+
+# KEYS[1] lock key; KEYS[2] fencing counter key
+# ARGV[1] token; ARGV[2] fencing token chosen by the client
+# returns 1 when our token still holds the key: the counter is raised to at least
+# ARGV[2] and the token recorded on the lock; else 0 and nothing is written.
+FENCE_SCRIPT = Script(
+    "fence",
+    """
+if redis.pcall('hget', KEYS[1], 'token') ~= ARGV[1] then
+  return 0
+end
+if tonumber(redis.call('get', KEYS[2]) or '0') < tonumber(ARGV[2]) then
+  redis.call('set', KEYS[2], ARGV[2])
+end
+redis.call('hset', KEYS[1], 'fence', ARGV[2])
+return 1
+""",
+)
+
+# KEYS[1] lock key
+# returns the key's remaining lease in ms; -2 when nobody holds it.
+PTTL_SCRIPT = Script(
+    "pttl",
+    """
+return redis.call('pttl', KEYS[1])
+""",
+)

@@ -1,0 +1,122 @@
+"""The blocking driver: runs protocol flows with redis-py connections.
+
+A fan-out writes the command to every node before it reads any reply, so N nodes
+cost about one round trip and no thread. Each reply is read against one deadline,
+NODE_TIMEOUT after the fan-out began: a hung node costs that much and no more, and
+its connection is dropped rather than returned to the pool with a reply still due.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import redis
+from redis.exceptions import NoScriptError
+
+from .protocol import Fanout, NodeReply, Sleep, Step
+
+__all__ = ["describe", "fanout", "run"]
+
+T = TypeVar("T")
+
+#: The shortest read timeout: a zero timeout would make the socket non-blocking.
+_MIN_WAIT = 0.0001
+
+
+def describe(exc: BaseException) -> str:
+    """Say why a node failed, in a line with no credentials in it."""
+    if isinstance(exc, redis.TimeoutError | TimeoutError):
+        return "timed out"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
+
+
+def _command(step: Fanout, by_sha: bool) -> tuple[Any, ...]:
+    head = ("EVALSHA", step.script.sha) if by_sha else ("EVAL", step.script.source)
+    return (*head, len(step.keys), *step.keys, *step.args)
+
+
+def _drop(pool: redis.ConnectionPool, conn: Any) -> None:
+    conn.disconnect()
+    pool.release(conn)
+
+
+def fanout(
+    pools: Sequence[redis.ConnectionPool], step: Fanout, timeout: float
+) -> list[NodeReply]:
+    """Run ``step`` on its nodes at once; return one reply per targeted node."""
+    targets = range(len(pools)) if step.nodes is None else step.nodes
+    deadline = time.monotonic() + timeout
+    replies: dict[int, NodeReply] = {}
+    sent: list[tuple[int, Any]] = []
+    command = _command(step, by_sha=True)
+    for i in targets:
+        pool = pools[i]
+        try:
+            conn = pool.get_connection()
+        except Exception as exc:
+            replies[i] = NodeReply(error=describe(exc))
+            continue
+        try:
+            conn.send_command(*command)
+        except Exception as exc:
+            _drop(pool, conn)
+            replies[i] = NodeReply(error=describe(exc))
+            continue
+        sent.append((i, conn))
+    # Read every reply; a node restarted or flushed its scripts (NOSCRIPT): send it
+    # the source, which caches the script again, and read once more.
+    queue = [(i, conn, True) for i, conn in sent]
+    try:
+        while queue:
+            i, conn, by_sha = queue[0]
+            try:
+                if not by_sha:
+                    conn.send_command(*_command(step, by_sha=False))
+                wait = max(deadline - time.monotonic(), _MIN_WAIT)
+                replies[i] = NodeReply(conn.read_response(timeout=wait))
+            except NoScriptError:
+                if by_sha:
+                    queue[0] = (i, conn, False)
+                    continue
+                replies[i] = NodeReply(error="NoScriptError")
+            except Exception as exc:
+                conn.disconnect()
+                replies[i] = NodeReply(error=describe(exc))
+            queue.pop(0)
+            pools[i].release(conn)
+    finally:
+        for i, conn, _ in queue:
+            _drop(pools[i], conn)
+    return [replies[i] for i in targets]
+
+
+def run(
+    flow: Any,
+    pools: Sequence[redis.ConnectionPool],
+    timeout: float,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Any:
+    """Drive a protocol flow to its end and return its result.
+
+    An interruption (KeyboardInterrupt) during a step is thrown into the flow, so
+    its clean-up steps still run before the interruption propagates.
+    """
+    reply: Any = None
+    pending: BaseException | None = None
+    while True:
+        try:
+            step: Step = flow.throw(pending) if pending else flow.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        pending = None
+        try:
+            if isinstance(step, Sleep):
+                reply = None
+                sleep(step.seconds)
+            else:
+                reply = fanout(pools, step, timeout)
+        except BaseException as exc:
+            pending = exc

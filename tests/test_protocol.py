@@ -1,0 +1,438 @@
+"""The Redlock arithmetic and flows, driven by hand: a fake clock, scripted replies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from redlock_django.exceptions import (
+    LockContentionError,
+    LockLostError,
+    QuorumUnavailableError,
+)
+from redlock_django.protocol import (
+    Fanout,
+    Lease,
+    LockSpec,
+    NodeReply,
+    Sleep,
+    acquire_flow,
+    drift,
+    extend_flow,
+    locked_flow,
+    quorum,
+    release_flow,
+    validity,
+    watchdog_flow,
+)
+from redlock_django.scripts import (
+    ACQUIRE_SCRIPT,
+    EXTEND_SCRIPT,
+    FENCE_SCRIPT,
+    RELEASE_SCRIPT,
+)
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def spec(n: int = 5, ttl: float = 10.0, fencing: bool = False) -> LockSpec:
+    return LockSpec(
+        resource="r",
+        key="p:lock:r",
+        node_names=tuple(f"node{i}" for i in range(n)),
+        ttl=ttl,
+        drift_factor=0.01,
+        retry_delay=0.1,
+        retry_jitter=0.2,
+        fence_key="p:fence:r" if fencing else None,
+    )
+
+
+def ok(*values: Any) -> list[NodeReply]:
+    return [NodeReply(v) for v in values]
+
+
+Responder = Callable[[Fanout], list[NodeReply]]
+
+
+def drive(flow: Any, respond: Responder, clock: FakeClock) -> tuple[Any, list[Any]]:
+    """Run a flow to its end; Sleep steps advance the clock. Return (result, steps)."""
+    steps: list[Any] = []
+    reply: Any = None
+    while True:
+        try:
+            step = flow.send(reply)
+        except StopIteration as stop:
+            return stop.value, steps
+        steps.append(step)
+        if isinstance(step, Sleep):
+            clock.now += step.seconds
+            reply = None
+        else:
+            reply = respond(step)
+
+
+def test_quorum_is_a_strict_majority() -> None:
+    assert [quorum(n) for n in range(1, 8)] == [1, 2, 2, 3, 3, 4, 4]
+
+
+def test_validity_subtracts_elapsed_time_and_drift() -> None:
+    assert drift(10.0, 0.01) == pytest.approx(0.102)
+    assert validity(10.0, 1.5, 0.01) == pytest.approx(10.0 - 1.5 - 0.1 - 0.002)
+
+
+def test_acquire_succeeds_with_exactly_a_quorum_of_grants() -> None:
+    clock = FakeClock()
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        assert step.script is ACQUIRE_SCRIPT and step.nodes is None
+        clock.now += 0.004
+        return ok(0, 0, 0, -1, -1)
+
+    grant, steps = drive(
+        acquire_flow(spec(), "tok", "{}", 1.0, clock, lambda: 0.5), respond, clock
+    )
+    assert len(steps) == 1
+    assert grant.granted == (0, 1, 2)
+    assert grant.started == 1000.0
+    assert grant.valid_until == pytest.approx(1000.0 + 10.0 - 0.102)
+    assert grant.fencing_token is None
+
+
+def test_acquire_sends_token_lease_in_ms_and_metadata() -> None:
+    clock = FakeClock()
+    seen: list[Fanout] = []
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        seen.append(step)
+        return ok(0, 0, 0)
+
+    drive(
+        acquire_flow(spec(3, ttl=2.5), "tok", '{"a":1}', 0, clock, lambda: 0),
+        respond,
+        clock,
+    )
+    assert seen[0].keys == ("p:lock:r",)
+    assert seen[0].args == ("tok", 2500, '{"a":1}')
+
+
+def test_failed_attempt_releases_every_node_then_retries_after_jittered_delay() -> None:
+    clock = FakeClock()
+    attempts: list[Any] = []
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        attempts.append(step)
+        if step.script is RELEASE_SCRIPT:
+            return ok(1, 1, 0, 0, 0)
+        if len([s for s in attempts if s.script is ACQUIRE_SCRIPT]) == 1:
+            return ok(0, 0, -1, -1, -1)
+        return ok(0, 0, 0, 0, -1)
+
+    grant, steps = drive(
+        acquire_flow(spec(), "tok", "{}", 5.0, clock, lambda: 0.25), respond, clock
+    )
+    kinds = [type(s).__name__ if isinstance(s, Sleep) else s.script.name for s in steps]
+    assert kinds == ["acquire", "release", "Sleep", "acquire"]
+    cleanup = steps[1]
+    assert cleanup.nodes is None and cleanup.critical and cleanup.args == ("tok",)
+    assert steps[2].seconds == pytest.approx(0.1 + 0.25 * 0.2)
+    assert grant.granted == (0, 1, 2, 3)
+
+
+def test_retry_delays_stay_within_delay_and_delay_plus_jitter() -> None:
+    for r in (0.0, 0.999999):
+        clock = FakeClock()
+        flow = acquire_flow(spec(), "tok", "{}", 10.0, clock, lambda r=r: r)
+        _, steps = drive_until_sleep(flow, clock)
+        assert 0.1 <= steps[-1].seconds <= 0.3
+
+
+def drive_until_sleep(flow: Any, clock: FakeClock) -> tuple[None, list[Any]]:
+    steps: list[Any] = []
+    reply: Any = None
+    while True:
+        step = flow.send(reply)
+        steps.append(step)
+        if isinstance(step, Sleep):
+            return None, steps
+        reply = ok(-1, -1, -1, -1, -1)
+
+
+def test_acquisition_slower_than_the_ttl_is_not_granted() -> None:
+    clock = FakeClock()
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        if step.script is ACQUIRE_SCRIPT:
+            clock.now += 10.5  # every node granted, but too late
+            return ok(0, 0, 0, 0, 0)
+        return ok(1, 1, 1, 1, 1)
+
+    with pytest.raises(QuorumUnavailableError, match="too slowly") as info:
+        drive(acquire_flow(spec(), "tok", "{}", 0, clock, lambda: 0), respond, clock)
+    assert info.value.granted == 5
+
+
+def test_validity_that_runs_out_mid_attempt_by_drift_alone_is_not_granted() -> None:
+    clock = FakeClock()
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        if step.script is ACQUIRE_SCRIPT:
+            clock.now += 10.0 - 0.101  # less than the TTL, more than TTL - drift
+            return ok(0, 0, 0)
+        return ok(1, 1, 1)
+
+    with pytest.raises(QuorumUnavailableError):
+        drive(acquire_flow(spec(3), "tok", "{}", 0, clock, lambda: 0), respond, clock)
+
+
+def test_majority_of_failed_nodes_fails_fast_with_quorum_error() -> None:
+    clock = FakeClock()
+    steps: list[Any] = []
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        steps.append(step)
+        down = NodeReply(error="ConnectionError: refused")
+        return [NodeReply(0), NodeReply(0), down, down, down]
+
+    with pytest.raises(QuorumUnavailableError) as info:
+        drive(acquire_flow(spec(), "tok", "{}", 60.0, clock, lambda: 0), respond, clock)
+    err = info.value
+    assert (err.granted, err.nodes, err.quorum) == (2, 5, 3)
+    assert set(err.failed) == {"node2", "node3", "node4"}
+    assert str(err).startswith(
+        "could not acquire 'r': too few nodes answered: 2/5 nodes, quorum 3"
+    )
+    # the partial lock is cleaned up, and nobody sleeps through a minute-long wait
+    assert [s.script for s in steps] == [ACQUIRE_SCRIPT, RELEASE_SCRIPT]
+    assert clock.now == 1000.0
+
+
+def test_wait_running_out_under_contention_raises_contention_error() -> None:
+    clock = FakeClock()
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        return (
+            ok(-1, -1, -1, 0, 0) if step.script is ACQUIRE_SCRIPT else ok(0, 0, 0, 1, 1)
+        )
+
+    with pytest.raises(LockContentionError) as info:
+        drive(
+            acquire_flow(spec(), "tok", "{}", 1.0, clock, lambda: 0.5), respond, clock
+        )
+    assert info.value.granted == 2 and info.value.quorum == 3
+    # the last attempt happens at the deadline, not a retry delay after it
+    assert clock.now == pytest.approx(1001.0)
+
+
+def test_non_blocking_acquire_makes_exactly_one_attempt() -> None:
+    clock = FakeClock()
+    steps: list[Any] = []
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        steps.append(step)
+        return ok(-1, -1, -1)
+
+    with pytest.raises(LockContentionError):
+        drive(acquire_flow(spec(3), "tok", "{}", 0, clock, lambda: 0), respond, clock)
+    assert [s.script for s in steps] == [ACQUIRE_SCRIPT, RELEASE_SCRIPT]
+
+
+def test_unlimited_wait_keeps_retrying() -> None:
+    clock = FakeClock()
+    calls = 0
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        nonlocal calls
+        if step.script is ACQUIRE_SCRIPT:
+            calls += 1
+            return ok(0, 0, 0) if calls == 50 else ok(-1, -1, -1)
+        return ok(0, 0, 0)
+
+    grant, _ = drive(
+        acquire_flow(spec(3), "tok", "{}", None, clock, lambda: 0), respond, clock
+    )
+    assert calls == 50 and grant.granted == (0, 1, 2)
+
+
+def test_interrupted_attempt_cleans_up_before_the_interruption_propagates() -> None:
+    flow = acquire_flow(spec(3), "tok", "{}", 1.0, FakeClock(), lambda: 0)
+    assert flow.send(None).script is ACQUIRE_SCRIPT
+    cleanup = flow.throw(KeyboardInterrupt())
+    assert cleanup.script is RELEASE_SCRIPT and cleanup.critical
+    with pytest.raises(KeyboardInterrupt):
+        flow.send(ok(1, 0, 0))
+
+
+def test_fencing_token_is_one_more_than_the_highest_granting_counter() -> None:
+    clock = FakeClock()
+    steps: list[Fanout] = []
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        steps.append(step)
+        if step.script is ACQUIRE_SCRIPT:
+            # node 3 refuses: its (higher) counter must not count
+            return [
+                NodeReply(7),
+                NodeReply(9),
+                NodeReply(4),
+                NodeReply(-1),
+                NodeReply(8),
+            ]
+        return ok(*([1] * len(step.nodes or ())))
+
+    grant, _ = drive(
+        acquire_flow(spec(fencing=True), "tok", "{}", 0, clock, lambda: 0),
+        respond,
+        clock,
+    )
+    assert grant.fencing_token == 10
+    fence = steps[1]
+    assert fence.script is FENCE_SCRIPT
+    assert fence.nodes == (0, 1, 2, 4)
+    assert fence.keys == ("p:lock:r", "p:fence:r")
+    assert fence.args == ("tok", 10)
+
+
+def test_fencing_write_back_confirmed_by_a_minority_fails_the_attempt() -> None:
+    clock = FakeClock()
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        if step.script is ACQUIRE_SCRIPT:
+            return ok(1, 1, 1, -1, -1)
+        if step.script is FENCE_SCRIPT:
+            return [NodeReply(1), NodeReply(0), NodeReply(error="timed out")]
+        return ok(1, 1, 1, 0, 0)
+
+    with pytest.raises(LockContentionError) as info:
+        drive(
+            acquire_flow(spec(fencing=True), "tok", "{}", 0, clock, lambda: 0),
+            respond,
+            clock,
+        )
+    assert info.value.granted == 1
+
+
+def test_extend_after_the_lease_ran_out_raises_lost_without_network() -> None:
+    clock = FakeClock(2000.0)
+    flow = extend_flow(spec(), "tok", 10.0, valid_until=1999.0, clock=clock)
+    with pytest.raises(LockLostError):
+        next(flow)
+
+
+def test_extend_rejects_a_non_positive_ttl_before_sending() -> None:
+    flow = extend_flow(spec(), "tok", 0, valid_until=2000.0, clock=FakeClock())
+    with pytest.raises(ValueError):
+        next(flow)
+
+
+def test_extend_with_a_quorum_in_time_moves_validity_on() -> None:
+    clock = FakeClock()
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        assert step.script is EXTEND_SCRIPT and step.args == ("tok", 4000)
+        clock.now += 0.01
+        return ok(1, 1, 1, 0, 0)
+
+    ext, _ = drive(extend_flow(spec(), "tok", 4.0, 1005.0, clock), respond, clock)
+    assert ext.confirmed == 3
+    assert ext.valid_until == pytest.approx(1000.0 + 4.0 - drift(4.0, 0.01))
+
+
+def test_extend_confirmed_by_a_minority_fails() -> None:
+    clock = FakeClock()
+    ext, _ = drive(
+        extend_flow(spec(), "tok", 10.0, 1005.0, clock),
+        lambda s: ok(1, 1, 0, 0, 0),
+        clock,
+    )
+    assert ext.valid_until is None and ext.confirmed == 2
+
+
+def test_extend_whose_replies_arrive_after_the_old_lease_ended_fails() -> None:
+    clock = FakeClock()
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        clock.now += 6.0  # past the old valid_until of 1005
+        return ok(1, 1, 1, 1, 1)
+
+    ext, _ = drive(extend_flow(spec(), "tok", 10.0, 1005.0, clock), respond, clock)
+    assert ext.valid_until is None
+
+
+def test_release_counts_nodes_that_still_had_our_token() -> None:
+    clock = FakeClock()
+    down = NodeReply(error="timed out")
+    rel, steps = drive(
+        release_flow(spec(), "tok"),
+        lambda s: [NodeReply(1), NodeReply(1), NodeReply(0), down, NodeReply(1)],
+        clock,
+    )
+    assert rel.released == 3 and rel.failed == {"node3": "timed out"}
+    assert steps[0].critical
+
+
+def test_locked_needs_a_quorum_of_live_keys() -> None:
+    clock = FakeClock()
+    held, _ = drive(locked_flow(spec()), lambda s: ok(900, 800, 700, -2, -2), clock)
+    free, _ = drive(locked_flow(spec()), lambda s: ok(900, 800, -2, -2, -2), clock)
+    assert held is True and free is False
+
+
+def test_watchdog_extends_about_a_third_into_each_lease() -> None:
+    clock = FakeClock()
+    s = spec(3, ttl=3.0)
+    lease = Lease("tok", acquired=1000.0, valid_until=1000.0 + 3.0 - drift(3.0, 0.01))
+    flow = watchdog_flow(s, lease, None, clock, lambda: 0)
+    step = next(flow)
+    assert isinstance(step, Sleep)
+    assert step.seconds == pytest.approx(1.0 - drift(3.0, 0.01))
+    clock.now += step.seconds
+    ext = flow.send(None)
+    assert ext.script is EXTEND_SCRIPT
+    step = flow.send(ok(1, 1, 0))
+    assert isinstance(step, Sleep)
+    assert lease.valid_until == pytest.approx(clock.now + 3.0 - drift(3.0, 0.01))
+    assert lease.lost is None
+
+
+def test_watchdog_marks_the_lease_lost_when_no_extension_lands_in_time() -> None:
+    clock = FakeClock()
+    s = spec(3, ttl=3.0)
+    lease = Lease("tok", acquired=1000.0, valid_until=1000.0 + 2.9)
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        clock.now += 0.05
+        return [
+            NodeReply(1),
+            NodeReply(error="timed out"),
+            NodeReply(error="timed out"),
+        ]
+
+    drive(watchdog_flow(s, lease, None, clock, lambda: 0), respond, clock)
+    assert lease.lost is not None
+    assert clock.now >= 1000.0 + 2.9
+
+
+def test_watchdog_stops_extending_at_max_hold() -> None:
+    clock = FakeClock()
+    s = spec(3, ttl=3.0)
+    lease = Lease("tok", acquired=1000.0, valid_until=1000.0 + 2.9)
+    extensions: list[Fanout] = []
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        extensions.append(step)
+        return ok(1, 1, 1)
+
+    drive(watchdog_flow(s, lease, 7.0, clock, lambda: 0), respond, clock)
+    assert lease.lost is None
+    assert lease.valid_until <= 1000.0 + 7.0
+    assert len(extensions) >= 3
+    assert extensions[-1].args[1] < 3000  # the last lease was shortened to the cap
