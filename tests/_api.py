@@ -43,7 +43,7 @@ class SyncAPI:
         return bool(await self._run(lock.locked))
 
     async def look(self, lock: Redlock, name: str) -> Any:
-        """Read an owner-relative attribute (validity, fencing_token...) as the owner."""
+        """Read an owner-relative attribute (validity, fencing_token) as the owner."""
         return await self._run(lambda: getattr(lock, name))
 
     async def enter(self, lock: Redlock) -> None:

@@ -1,0 +1,36 @@
+"""The public API is exactly what redlock_django exports."""
+
+from __future__ import annotations
+
+import redlock_django
+from redlock_django import exceptions
+
+
+def test_all_lists_every_public_name_and_nothing_else() -> None:
+    public = {
+        name
+        for name, value in vars(redlock_django).items()
+        if not name.startswith("_") and not isinstance(value, type(redlock_django))
+    }
+    assert set(redlock_django.__all__) == public | {"__version__"}
+
+
+def test_every_exception_derives_from_lock_error() -> None:
+    for name in exceptions.__all__:
+        cls = getattr(exceptions, name)
+        assert issubclass(cls, redlock_django.LockError)
+        assert getattr(redlock_django, name) is cls
+
+
+def test_lock_error_carries_its_context() -> None:
+    err = redlock_django.QuorumUnavailableError(
+        "could not acquire 'r': 1/5 nodes, quorum 3",
+        resource="r",
+        granted=1,
+        nodes=5,
+        quorum=3,
+        failed={"redis://127.0.0.1:7001/0": "timed out"},
+    )
+    assert (err.resource, err.granted, err.nodes, err.quorum) == ("r", 1, 5, 3)
+    assert err.failed == {"redis://127.0.0.1:7001/0": "timed out"}
+    assert str(err) == "could not acquire 'r': 1/5 nodes, quorum 3"
