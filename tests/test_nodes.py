@@ -1,0 +1,71 @@
+"""Node connections: URLs with credentials, django-redis cache aliases, our timeouts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from redis.backoff import NoBackoff
+
+from redlock_django import QuorumUnavailableError, Redlock
+from redlock_django import nodes as node_pools
+from redlock_django.conf import get_settings
+
+KEY = "redlock:lock:{}"
+
+
+def test_lock_reuses_a_django_redis_cache_alias(
+    settings: Any, nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    settings.CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "locks": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": nodes[0].url,
+            "OPTIONS": {"SOCKET_TIMEOUT": 5},
+        },
+    }
+    settings.REDLOCK = {**redlock_settings, "NODES": ["locks", *nodes.urls[1:3]]}
+    with Redlock("aliased"):
+        assert [n.client().exists(KEY.format("aliased")) for n in nodes[:3]] == [1] * 3
+
+
+def test_pools_use_the_node_timeout_and_never_retry(
+    settings: Any, nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    settings.CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "locks": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": nodes[0].url,
+            "OPTIONS": {"SOCKET_TIMEOUT": 5, "SOCKET_CONNECT_TIMEOUT": 5},
+        },
+    }
+    settings.REDLOCK = {**redlock_settings, "NODES": ["locks", nodes.urls[1]]}
+    conf = get_settings()
+    for pool in node_pools.sync_pools(conf.nodes, 0.05):
+        kwargs = pool.connection_kwargs
+        assert kwargs["socket_timeout"] == 0.05
+        assert kwargs["socket_connect_timeout"] == 0.05
+        retry = kwargs["retry"]
+        assert retry._retries == 0 and isinstance(retry._backoff, NoBackoff)
+
+
+def test_password_in_the_url_authenticates_and_never_reaches_errors(
+    settings: Any, make_nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    secured = make_nodes(3)
+    for node in secured:
+        node.client().config_set("requirepass", "s3cret-pass")
+    good = [f"redis://:s3cret-pass@127.0.0.1:{n.port}/0" for n in secured]
+    settings.REDLOCK = {**redlock_settings, "NODES": good}
+    with Redlock("secured") as lock:
+        assert lock.owned()
+    bad = [f"redis://:wrong-pass@127.0.0.1:{n.port}/0" for n in secured]
+    settings.REDLOCK = {**redlock_settings, "NODES": bad}
+    with pytest.raises(QuorumUnavailableError) as info:
+        Redlock("secured").acquire()
+    text = str(info.value) + repr(info.value.failed)
+    assert "wrong-pass" not in text and "s3cret" not in text
+    assert len(info.value.failed) == 3
+    assert all(name.startswith("redis://127.0.0.1:") for name in info.value.failed)
