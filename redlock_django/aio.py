@@ -9,7 +9,7 @@ does not leave a partial lock behind, the cancellation propagates once they end.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import redis.asyncio
@@ -44,7 +44,12 @@ async def fanout(
     )
 
 
-async def run(flow: Any, clients: Sequence[redis.asyncio.Redis], timeout: float) -> Any:
+async def run(
+    flow: Any,
+    clients: Sequence[redis.asyncio.Redis],
+    timeout: float,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> Any:
     """Drive a protocol flow to its end and return its result.
 
     A cancellation during a step is thrown into the flow, so its clean-up steps run
@@ -61,7 +66,7 @@ async def run(flow: Any, clients: Sequence[redis.asyncio.Redis], timeout: float)
         try:
             if isinstance(step, Sleep):
                 reply = None
-                await asyncio.sleep(step.seconds)
+                await sleep(step.seconds)
             elif step.critical:
                 work = asyncio.ensure_future(fanout(clients, step, timeout))
                 try:

@@ -168,8 +168,11 @@ def _hostname() -> str:
 class _Watchdog:
     """Extends one hold's lease in the background until stopped."""
 
-    def __init__(self, hold: _Hold) -> None:
+    def __init__(self, hold: _Hold, owner: object) -> None:
         self.hold = hold
+        # Weak, so an owner that ended without releasing stops the extensions
+        # instead of keeping its lock alive until max_hold (or forever).
+        self._owner = weakref.ref(owner)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
@@ -205,8 +208,21 @@ class _Watchdog:
         )
         self._thread.start()
 
+    def _owner_gone(self) -> bool:
+        owner = self._owner()
+        if owner is None:
+            return True
+        if isinstance(owner, threading.Thread):
+            return not owner.is_alive()
+        return cast(asyncio.Task[Any], owner).done()
+
     def _sleep(self, seconds: float) -> None:
-        if self._stop.wait(seconds):
+        if self._stop.wait(seconds) or self._owner_gone():
+            raise _Stopped
+
+    async def _asleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        if self._owner_gone():
             raise _Stopped
 
     def _run_thread(self) -> None:
@@ -231,7 +247,9 @@ class _Watchdog:
         config = self.hold.config
         clients = nodes.async_clients(config.nodes, config.node_timeout)
         try:
-            await aio.run(self._flow(), clients, config.node_timeout)
+            await aio.run(self._flow(), clients, config.node_timeout, self._asleep)
+        except _Stopped:
+            return
         except asyncio.CancelledError:
             if self._stop.is_set():
                 return
@@ -433,7 +451,7 @@ class Redlock:
         hold = _Hold(lease=lease, config=config)
         _put_hold(owner, config.identity, hold)
         if config.auto_extend:
-            hold.watchdog = _Watchdog(hold)
+            hold.watchdog = _Watchdog(hold, owner)
         return hold
 
     def _owned(self, owner: object, verb: str) -> _Hold:

@@ -535,3 +535,22 @@ async def test_cancelled_release_finishes_its_cleanup_and_can_be_retried(
     await lock.arelease()
     assert lock.depth == 0
     assert tokens(nodes, "cancel-release") == [None] * 5
+
+
+async def test_watchdog_stops_when_its_owner_ends_without_releasing(
+    nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    thread_lock = Redlock("orphan-thread", ttl=0.3, auto_extend=True, max_hold=None)
+    task_lock = Redlock("orphan-task", ttl=0.3, auto_extend=True, max_hold=None)
+    owner = threading.Thread(target=thread_lock.acquire)
+    owner.start()
+    owner.join()
+
+    async def grab() -> None:
+        await task_lock.aacquire()
+
+    await asyncio.create_task(grab())
+    assert None not in tokens(nodes, "orphan-thread") + tokens(nodes, "orphan-task")
+    await asyncio.sleep(0.8)
+    assert tokens(nodes, "orphan-thread") == [None] * 5
+    assert tokens(nodes, "orphan-task") == [None] * 5
