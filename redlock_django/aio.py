@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import redis
 import redis.asyncio
 from redis.exceptions import NoScriptError
 
@@ -23,12 +24,32 @@ __all__ = ["fanout", "run"]
 
 async def _call(client: redis.asyncio.Redis, step: Fanout, timeout: float) -> NodeReply:
     tail = (len(step.keys), *step.keys, *step.args)
+    # Clean-ups go as EVAL, as in sync.py: a frozen node may run them after the
+    # caller stopped waiting, when no one would resend the source after NOSCRIPT.
+    by_sha = not step.critical
     try:
         async with asyncio.timeout(timeout):
-            try:
-                value = await client.execute_command("EVALSHA", step.script.sha, *tail)
-            except NoScriptError:
-                value = await client.execute_command("EVAL", step.script.source, *tail)
+            for attempt in (1, 2):
+                try:
+                    if by_sha:
+                        try:
+                            value = await client.execute_command(
+                                "EVALSHA", step.script.sha, *tail
+                            )
+                        except NoScriptError:
+                            by_sha = False
+                    if not by_sha:
+                        value = await client.execute_command(
+                            "EVAL", step.script.source, *tail
+                        )
+                    break
+                except redis.ConnectionError:
+                    # A pooled connection the server closed (a restart) is only
+                    # seen when used. Every script is idempotent for one token, so
+                    # one more try on a new connection is safe; a timeout is not
+                    # retried.
+                    if attempt == 2:
+                        raise
     except Exception as exc:
         return NodeReply(error=describe(exc))
     return NodeReply(value)

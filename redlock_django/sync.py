@@ -51,7 +51,10 @@ def fanout(
     deadline = time.monotonic() + timeout
     replies: dict[int, NodeReply] = {}
     sent: list[tuple[int, Any]] = []
-    command = _command(step, by_sha=True)
+    # Clean-ups go as EVAL: a node that never answers (frozen, then resumed) may
+    # run them long after this call gave up, with nobody left to resend the source
+    # after a NOSCRIPT. Redis caches the script either way.
+    command = _command(step, by_sha=not step.critical)
     for i in targets:
         pool = pools[i]
         try:
@@ -68,7 +71,7 @@ def fanout(
         sent.append((i, conn))
     # Read every reply; a node restarted or flushed its scripts (NOSCRIPT): send it
     # the source, which caches the script again, and read once more.
-    queue = [(i, conn, True) for i, conn in sent]
+    queue = [(i, conn, not step.critical) for i, conn in sent]
     try:
         while queue:
             i, conn, by_sha = queue[0]
