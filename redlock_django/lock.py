@@ -434,7 +434,7 @@ class Redlock:
             separators=(",", ":"),
         )
 
-    def _reenter(self, hold: _Hold) -> bool:
+    def _reenter(self, hold: _Hold) -> None:
         lease = hold.lease
         if lease.lost is not None or _clock() >= lease.valid_until:
             raise LockLostError(
@@ -445,9 +445,14 @@ class Redlock:
                 quorum=hold.config.spec.quorum,
             )
         hold.depth += 1
-        return True
 
-    def _grant(self, owner: object, config: _Config, lease: Lease) -> _Hold:
+    def _grant(self, owner: object, config: _Config, grant: Grant) -> _Hold:
+        lease = Lease(
+            token=grant.token,
+            acquired=grant.started,
+            valid_until=grant.valid_until,
+            fencing_token=grant.fencing_token,
+        )
         hold = _Hold(lease=lease, config=config)
         _put_hold(owner, config.identity, hold)
         if config.auto_extend:
@@ -491,13 +496,43 @@ class Redlock:
                 spec.node_count,
             )
 
-    def _lease(self, grant: Grant) -> Lease:
-        return Lease(
-            token=grant.token,
-            acquired=grant.started,
-            valid_until=grant.valid_until,
-            fencing_token=grant.fencing_token,
+    def _start_acquire(
+        self, owner: object, blocking: bool, timeout: float | None, holder: str
+    ) -> tuple[_Config, Any] | None:
+        """Return the config and flow to drive, or None if the owner re-entered."""
+        config = self._resolve()
+        wait = self._wait(config, blocking, timeout)
+        if self.reentrant:
+            hold = _get_hold(owner, config.identity)
+            if hold is not None:
+                self._reenter(hold)
+                return None
+        token = secrets.token_urlsafe(TOKEN_BYTES)
+        meta = self._meta(config, holder)
+        return config, acquire_flow(config.spec, token, meta, wait, _clock, _jitter)
+
+    def _start_release(self, owner: object) -> _Hold | None:
+        """Return the hold to release on the nodes, or None if still re-entered."""
+        hold = self._owned(owner, "release")
+        if hold.depth > 1:
+            hold.depth -= 1
+            return None
+        return hold
+
+    def _contention(self) -> LockContentionError:
+        config = self._resolve()
+        return LockContentionError(
+            f"could not acquire {self.resource!r}: held by another owner",
+            resource=self.resource,
+            nodes=config.spec.node_count,
+            quorum=config.spec.quorum,
         )
+
+    def _exit(self, exc: BaseException | None, lost: LockLostError) -> None:
+        if exc is None:
+            raise lost
+        # The block's own exception matters more; do not mask it.
+        logger.error("redlock %r lost while its block raised: %s", self.resource, lost)
 
     # Blocking API.
 
@@ -510,23 +545,17 @@ class Redlock:
         lock.
         """
         owner = _sync_owner("acquire")
-        config = self._resolve()
-        wait = self._wait(config, blocking, timeout)
-        if self.reentrant:
-            hold = _get_hold(owner, config.identity)
-            if hold is not None:
-                return self._reenter(hold)
-        pools = nodes.sync_pools(config.nodes, config.node_timeout)
-        token = secrets.token_urlsafe(TOKEN_BYTES)
         holder = threading.current_thread().name
-        flow = acquire_flow(
-            config.spec, token, self._meta(config, holder), wait, _clock, _jitter
-        )
+        started = self._start_acquire(owner, blocking, timeout, holder)
+        if started is None:
+            return True
+        config, flow = started
+        pools = nodes.sync_pools(config.nodes, config.node_timeout)
         try:
             grant = sync.run(flow, pools, config.node_timeout)
         except LockContentionError:
             return False
-        hold = self._grant(owner, config, self._lease(grant))
+        hold = self._grant(owner, config, grant)
         if hold.watchdog is not None:
             hold.watchdog.start_thread()
         return True
@@ -538,9 +567,8 @@ class Redlock:
         ``LockLostError`` (after releasing) if its lease ran out while held.
         """
         owner = _sync_owner("release")
-        hold = self._owned(owner, "release")
-        if hold.depth > 1:
-            hold.depth -= 1
+        hold = self._start_release(owner)
+        if hold is None:
             return
         if hold.watchdog is not None:
             hold.watchdog.stop()
@@ -597,13 +625,7 @@ class Redlock:
 
     def __enter__(self) -> Redlock:
         if not self.acquire():
-            config = self._resolve()
-            raise LockContentionError(
-                f"could not acquire {self.resource!r}: held by another owner",
-                resource=self.resource,
-                nodes=config.spec.node_count,
-                quorum=config.spec.quorum,
-            )
+            raise self._contention()
         return self
 
     def __exit__(
@@ -614,11 +636,8 @@ class Redlock:
     ) -> None:
         try:
             self.release()
-        except LockLostError:
-            if exc is None:
-                raise
-            # The body's own exception matters more; do not mask it.
-            logger.exception("redlock %r lost while its block raised", self.resource)
+        except LockLostError as lost:
+            self._exit(exc, lost)
 
     # asyncio API: the same flows, driven by aio.py.
 
@@ -627,23 +646,17 @@ class Redlock:
     ) -> bool:
         """Acquire the lock from a coroutine; see ``acquire()``."""
         owner = _async_owner("acquire")
-        config = self._resolve()
-        wait = self._wait(config, blocking, timeout)
-        if self.reentrant:
-            hold = _get_hold(owner, config.identity)
-            if hold is not None:
-                return self._reenter(hold)
-        clients = nodes.async_clients(config.nodes, config.node_timeout)
-        token = secrets.token_urlsafe(TOKEN_BYTES)
         holder = cast(asyncio.Task[Any], owner).get_name()
-        flow = acquire_flow(
-            config.spec, token, self._meta(config, holder), wait, _clock, _jitter
-        )
+        started = self._start_acquire(owner, blocking, timeout, holder)
+        if started is None:
+            return True
+        config, flow = started
+        clients = nodes.async_clients(config.nodes, config.node_timeout)
         try:
             grant = await aio.run(flow, clients, config.node_timeout)
         except LockContentionError:
             return False
-        hold = self._grant(owner, config, self._lease(grant))
+        hold = self._grant(owner, config, grant)
         if hold.watchdog is not None:
             hold.watchdog.start_task()
         return True
@@ -651,9 +664,8 @@ class Redlock:
     async def arelease(self) -> None:
         """Release the lock from a coroutine; see ``release()``."""
         owner = _async_owner("release")
-        hold = self._owned(owner, "release")
-        if hold.depth > 1:
-            hold.depth -= 1
+        hold = self._start_release(owner)
+        if hold is None:
             return
         if hold.watchdog is not None:
             await hold.watchdog.astop()
@@ -684,13 +696,7 @@ class Redlock:
 
     async def __aenter__(self) -> Redlock:
         if not await self.aacquire():
-            config = self._resolve()
-            raise LockContentionError(
-                f"could not acquire {self.resource!r}: held by another owner",
-                resource=self.resource,
-                nodes=config.spec.node_count,
-                quorum=config.spec.quorum,
-            )
+            raise self._contention()
         return self
 
     async def __aexit__(
@@ -701,10 +707,8 @@ class Redlock:
     ) -> None:
         try:
             await self.arelease()
-        except LockLostError:
-            if exc is None:
-                raise
-            logger.exception("redlock %r lost while its block raised", self.resource)
+        except LockLostError as lost:
+            self._exit(exc, lost)
 
     # The current owner's view of its hold: local, no network.
 
