@@ -14,7 +14,9 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.staticfiles",
     "redlock_django",
+    "tests",
 ]
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -41,6 +43,8 @@ DATABASES = {
         default="sqlite:///" + os.path.join(os.path.dirname(__file__), "test.sqlite3")
     )
 }
+ROOT_URLCONF = "tests.urls"
+STATIC_URL = "/static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # The conftest fixtures point REDLOCK at the redis-server processes they start.
 REDLOCK = {"NODES": ["redis://127.0.0.1:1/0"]}
