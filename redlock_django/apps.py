@@ -21,5 +21,8 @@ class RedlockConfig(AppConfig):
         test changes ``REDLOCK`` or ``CACHES``, even where this app is not installed.
         """
         from . import checks as redlock_checks
+        from . import metrics
 
         checks.register(redlock_checks.check_settings, redlock_checks.TAG)
+        # Recorded whenever prometheus_client is installed; a no-op otherwise.
+        metrics.install()

@@ -28,9 +28,15 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
 
-from . import aio, nodes, sync
+from . import aio, nodes, signals, sync
 from .conf import NodeSpec, RedlockSettings, get_settings, parse_node
-from .exceptions import LockContentionError, LockLostError, LockNotOwnedError
+from .exceptions import (
+    LockContentionError,
+    LockError,
+    LockLostError,
+    LockNotOwnedError,
+    QuorumUnavailableError,
+)
 from .protocol import (
     Extension,
     Grant,
@@ -103,8 +109,25 @@ class _Hold:
 
     lease: Lease
     config: _Config
+    #: The object that acquired it, sent with the signals.
+    lock: Redlock
     depth: int = 1
     watchdog: _Watchdog | None = None
+    lost_reported: bool = False
+
+
+def _report_lost(hold: _Hold, reason: str) -> None:
+    """Send ``lock_lost`` once per hold."""
+    if hold.lost_reported:
+        return
+    hold.lost_reported = True
+    signals.lock_lost.send(
+        sender=Redlock,
+        lock=hold.lock,
+        resource=hold.config.spec.resource,
+        held=_clock() - hold.lease.acquired,
+        reason=reason,
+    )
 
 
 # owner (a Thread or an asyncio Task) -> lock identity -> hold. Weak keys, so the
@@ -174,6 +197,7 @@ class _Watchdog:
         # instead of keeping its lock alive until max_hold (or forever).
         self._owner = weakref.ref(owner)
         self._stop = threading.Event()
+        self._valid_until = hold.lease.valid_until
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -191,6 +215,7 @@ class _Watchdog:
                 self.hold.config.spec.resource,
                 lease.lost,
             )
+            _report_lost(self.hold, lease.lost)
         elif not self._stop.is_set():
             logger.warning(
                 "redlock %r: auto-extension stopped at max_hold=%ss",
@@ -216,11 +241,24 @@ class _Watchdog:
             return not owner.is_alive()
         return cast(asyncio.Task[Any], owner).done()
 
+    def _note_extension(self) -> None:
+        lease = self.hold.lease
+        if lease.valid_until != self._valid_until:
+            self._valid_until = lease.valid_until
+            signals.lock_extended.send(
+                sender=Redlock,
+                lock=self.hold.lock,
+                resource=self.hold.config.spec.resource,
+                validity=lease.valid_until - _clock(),
+            )
+
     def _sleep(self, seconds: float) -> None:
+        self._note_extension()
         if self._stop.wait(seconds) or self._owner_gone():
             raise _Stopped
 
     async def _asleep(self, seconds: float) -> None:
+        self._note_extension()
         await asyncio.sleep(seconds)
         if self._owner_gone():
             raise _Stopped
@@ -446,18 +484,40 @@ class Redlock:
             )
         hold.depth += 1
 
-    def _grant(self, owner: object, config: _Config, grant: Grant) -> _Hold:
+    def _grant(
+        self, owner: object, config: _Config, grant: Grant, since: float
+    ) -> _Hold:
         lease = Lease(
             token=grant.token,
             acquired=grant.started,
             valid_until=grant.valid_until,
             fencing_token=grant.fencing_token,
         )
-        hold = _Hold(lease=lease, config=config)
+        hold = _Hold(lease=lease, config=config, lock=self)
         _put_hold(owner, config.identity, hold)
         if config.auto_extend:
             hold.watchdog = _Watchdog(hold, owner)
+        signals.lock_acquired.send(
+            sender=Redlock,
+            lock=self,
+            resource=self.resource,
+            waited=_clock() - since,
+            fencing_token=grant.fencing_token,
+        )
         return hold
+
+    def _not_acquired(self, exc: LockError, since: float) -> bool:
+        """Signal a failed acquisition: False on contention, else re-raise."""
+        waited = _clock() - since
+        if isinstance(exc, LockContentionError):
+            signals.lock_contended.send(
+                sender=Redlock, lock=self, resource=self.resource, waited=waited
+            )
+            return False
+        signals.lock_unavailable.send(
+            sender=Redlock, lock=self, resource=self.resource, waited=waited, error=exc
+        )
+        raise exc
 
     def _owned(self, owner: object, verb: str) -> _Hold:
         hold = _get_hold(owner, self._resolve().identity)
@@ -476,11 +536,15 @@ class Redlock:
         lease = hold.lease
         spec = hold.config.spec
         now = _clock()
+        held_for = now - lease.acquired
+        signals.lock_released.send(
+            sender=Redlock, lock=self, resource=self.resource, held=held_for
+        )
         if lease.lost is not None or now >= lease.valid_until:
-            held_for = now - lease.acquired
             why = lease.lost or (
                 f"its lease ran out {now - lease.valid_until:.3f}s before release"
             )
+            _report_lost(hold, why)
             raise LockLostError(
                 f"lock {self.resource!r} was lost while held ({held_for:.3f}s): {why}",
                 resource=self.resource,
@@ -551,11 +615,12 @@ class Redlock:
             return True
         config, flow = started
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
+        since = _clock()
         try:
             grant = sync.run(flow, pools, config.node_timeout)
-        except LockContentionError:
-            return False
-        hold = self._grant(owner, config, grant)
+        except (LockContentionError, QuorumUnavailableError) as exc:
+            return self._not_acquired(exc, since)
+        hold = self._grant(owner, config, grant, since)
         if hold.watchdog is not None:
             hold.watchdog.start_thread()
         return True
@@ -621,6 +686,12 @@ class Redlock:
         if extension.valid_until is None:
             return False
         hold.lease.valid_until = extension.valid_until
+        signals.lock_extended.send(
+            sender=Redlock,
+            lock=self,
+            resource=self.resource,
+            validity=extension.valid_until - _clock(),
+        )
         return True
 
     def __enter__(self) -> Redlock:
@@ -652,11 +723,12 @@ class Redlock:
             return True
         config, flow = started
         clients = nodes.async_clients(config.nodes, config.node_timeout)
+        since = _clock()
         try:
             grant = await aio.run(flow, clients, config.node_timeout)
-        except LockContentionError:
-            return False
-        hold = self._grant(owner, config, grant)
+        except (LockContentionError, QuorumUnavailableError) as exc:
+            return self._not_acquired(exc, since)
+        hold = self._grant(owner, config, grant, since)
         if hold.watchdog is not None:
             hold.watchdog.start_task()
         return True

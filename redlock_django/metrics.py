@@ -1,0 +1,111 @@
+"""Prometheus metrics for locks, fed by the signals, when prometheus_client is there.
+
+``install()`` (called by the app config) registers the metrics in the default
+registry, which a scrape endpoint or django-prometheus exposes. No metric has a
+resource label: resource names are unbounded, metric label sets must not be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.dispatch import Signal
+
+from . import signals
+
+__all__ = ["install", "installed"]
+
+_installed = False
+
+# Latency buckets for a lock: a loopback round trip to ~a second of waiting.
+_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+)
+
+
+def installed() -> bool:
+    """Return whether the metrics are being recorded."""
+    return _installed
+
+
+def install() -> bool:
+    """Create the metrics and connect them to the signals; False without prometheus."""
+    global _installed
+    if _installed:
+        return True
+    try:
+        from prometheus_client import Counter, Gauge, Histogram
+    except ImportError:
+        return False
+
+    acquire_seconds = Histogram(
+        "redlock_acquire_seconds",
+        "Time spent acquiring a lock, by outcome.",
+        ["outcome"],
+        buckets=_BUCKETS,
+    )
+    hold_seconds = Histogram(
+        "redlock_hold_seconds",
+        "Time a lock was held, from grant to release.",
+        buckets=_BUCKETS,
+    )
+    contended = Counter(
+        "redlock_contended", "Acquisitions given up because others held the lock."
+    )
+    unavailable = Counter(
+        "redlock_quorum_failures", "Acquisitions failed for want of a node quorum."
+    )
+    lost = Counter("redlock_lost", "Leases lost (ran out or not extended) while held.")
+    extended = Counter("redlock_extended", "Successful lease extensions.")
+    current = Gauge("redlock_held", "Locks currently held by this process.")
+
+    def on_acquired(waited: float, **kwargs: Any) -> None:
+        acquire_seconds.labels("acquired").observe(waited)
+        current.inc()
+
+    def on_contended(waited: float, **kwargs: Any) -> None:
+        acquire_seconds.labels("contended").observe(waited)
+        contended.inc()
+
+    def on_unavailable(waited: float, **kwargs: Any) -> None:
+        acquire_seconds.labels("unavailable").observe(waited)
+        unavailable.inc()
+
+    def on_released(held: float, **kwargs: Any) -> None:
+        hold_seconds.observe(held)
+        current.dec()
+
+    def on_lost(**kwargs: Any) -> None:
+        lost.inc()
+
+    def on_extended(**kwargs: Any) -> None:
+        extended.inc()
+
+    receivers: dict[Signal, Callable[..., None]] = {
+        signals.lock_acquired: on_acquired,
+        signals.lock_contended: on_contended,
+        signals.lock_unavailable: on_unavailable,
+        signals.lock_released: on_released,
+        signals.lock_lost: on_lost,
+        signals.lock_extended: on_extended,
+    }
+    for signal, receiver in receivers.items():
+        signal.connect(
+            receiver, weak=False, dispatch_uid=f"redlock-metrics-{receiver.__name__}"
+        )
+    _installed = True
+    return True

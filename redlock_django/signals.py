@@ -1,0 +1,35 @@
+"""Django signals sent by every ``Redlock``; ``sender`` is the ``Redlock`` class.
+
+Each sends ``lock`` (the ``Redlock``) and ``resource``, plus:
+
+- ``lock_acquired``: ``waited`` (seconds spent acquiring), ``fencing_token``.
+- ``lock_contended``: ``waited``; the wait ran out while others held it.
+- ``lock_unavailable``: ``waited``, ``error``; too few nodes answered.
+- ``lock_extended``: ``validity`` (seconds the new lease guarantees); sent for
+  ``extend()`` and for every watchdog extension (from the watchdog's thread or task).
+- ``lock_released``: ``held`` (seconds between grant and release).
+- ``lock_lost``: ``held``, ``reason``; once per hold, when a watchdog gives up or a
+  release finds the lease ran out.
+
+A signal without receivers costs a dictionary lookup, so they are always sent.
+"""
+
+from __future__ import annotations
+
+from django.dispatch import Signal
+
+__all__ = [
+    "lock_acquired",
+    "lock_contended",
+    "lock_extended",
+    "lock_lost",
+    "lock_released",
+    "lock_unavailable",
+]
+
+lock_acquired = Signal()
+lock_contended = Signal()
+lock_unavailable = Signal()
+lock_extended = Signal()
+lock_released = Signal()
+lock_lost = Signal()

@@ -1,0 +1,124 @@
+"""Signals sent by locks, and the Prometheus metrics fed by them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from redlock_django import QuorumUnavailableError, Redlock, metrics, signals
+
+
+@pytest.fixture
+def sent() -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """Record every lock signal as (name, kwargs)."""
+    log: list[tuple[str, dict[str, Any]]] = []
+    receivers = []
+    for name in signals.__all__:
+        signal = getattr(signals, name)
+
+        def receiver(name: str = name, **kwargs: Any) -> None:
+            kwargs.pop("signal")
+            log.append((name, kwargs))
+
+        signal.connect(receiver, weak=False)
+        receivers.append((signal, receiver))
+    yield log
+    for signal, receiver in receivers:
+        signal.disconnect(receiver)
+
+
+def names(log: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    return [name for name, _ in log]
+
+
+def test_acquire_and_release_send_their_timings(
+    sent: list[Any], redlock_settings: dict[str, Any]
+) -> None:
+    lock = Redlock("signalled", fencing=True)
+    with lock:
+        time.sleep(0.05)
+    assert names(sent) == ["lock_acquired", "lock_released"]
+    acquired, released = sent[0][1], sent[1][1]
+    assert acquired["sender"] is Redlock and acquired["lock"] is lock
+    assert acquired["resource"] == "signalled"
+    assert 0 <= acquired["waited"] < 1 and acquired["fencing_token"] == 1
+    assert released["held"] >= 0.05
+
+
+def test_contention_and_quorum_failure_are_signalled(
+    sent: list[Any], nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    nodes[0].clog("redlock:lock:busy")
+    nodes[1].clog("redlock:lock:busy")
+    nodes[2].clog("redlock:lock:busy")
+    assert not Redlock("busy").acquire(blocking=False)
+    for node in nodes[:3]:
+        node.stop()
+    with pytest.raises(QuorumUnavailableError):
+        Redlock("down").acquire()
+    assert names(sent) == ["lock_contended", "lock_unavailable"]
+    assert isinstance(sent[1][1]["error"], QuorumUnavailableError)
+
+
+def test_extensions_are_signalled_for_extend_and_for_the_watchdog(
+    sent: list[Any], redlock_settings: dict[str, Any]
+) -> None:
+    lock = Redlock("stretched", ttl=0.3)
+    with lock:
+        assert lock.extend(1.0)
+    assert names(sent) == ["lock_acquired", "lock_extended", "lock_released"]
+    assert 0.9 < sent[1][1]["validity"] <= 1.0
+    sent.clear()
+    with Redlock("watched", ttl=0.3, auto_extend=True):
+        time.sleep(0.5)
+    assert names(sent).count("lock_extended") >= 1
+
+
+def test_a_lost_lease_is_signalled_once(
+    sent: list[Any], nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    lock = Redlock("lost", ttl=0.3, auto_extend=True)
+    lock.acquire()
+    for node in nodes[:3]:
+        node.pause()
+    try:
+        time.sleep(0.5)
+    finally:
+        for node in nodes[:3]:
+            node.resume()
+    with pytest.raises(Exception, match="lost"):
+        lock.release()
+    assert names(sent).count("lock_lost") == 1
+    assert names(sent)[-1] == "lock_released"
+
+
+def sample(name: str, labels: dict[str, str] | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+def test_metrics_count_acquisitions_contention_and_holds(
+    nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    assert metrics.installed()
+    acquired = sample("redlock_acquire_seconds_count", {"outcome": "acquired"})
+    contended = sample("redlock_contended_total")
+    holds = sample("redlock_hold_seconds_count")
+    held = sample("redlock_held")
+    lock = Redlock("metered")
+    lock.acquire()
+    assert sample("redlock_held") == held + 1
+    nodes[0].clog("redlock:lock:other")
+    nodes[1].clog("redlock:lock:other")
+    nodes[2].clog("redlock:lock:other")
+    Redlock("other").acquire(blocking=False)
+    lock.release()
+    assert sample("redlock_acquire_seconds_count", {"outcome": "acquired"}) == (
+        acquired + 1
+    )
+    assert sample("redlock_contended_total") == contended + 1
+    assert sample("redlock_hold_seconds_count") == holds + 1
+    assert sample("redlock_held") == held
