@@ -1,0 +1,409 @@
+"""Fencing tokens: every acquisition's token exceeds every earlier holder's.
+
+The majorities here differ for real: the nodes left out are frozen with SIGSTOP
+while the lock is taken, so only the rest can grant. A lock is released after
+its nodes are resumed, which also clears whatever a frozen node did late with the
+commands it had queued. The negative control runs the naive scheme (INCR on each
+granting node, token = the max of the replies) through the same majorities on the
+same servers and shows it going backwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import redis
+
+from redlock_django import LockError, QuorumUnavailableError, Redlock
+from tests._nodes import NodeSet, RedisNode
+
+RESOURCE = "fenced"
+LOCK_KEY = f"redlock:lock:{RESOURCE}"
+FENCE_KEY = f"redlock:fence:{RESOURCE}"
+QUORUM = 3
+
+#: Every majority of five nodes: all 3-, 4- and 5-subsets.
+EVERY_MAJORITY = [
+    majority
+    for size in (3, 4, 5)
+    for majority in itertools.combinations(range(5), size)
+]
+#: The research note's construction: node 0 is in every majority until its counter
+#: is far ahead of the others', then comes a majority without it.
+FAR_AHEAD_NODE = [(0, 1, 2), (0, 3, 4)] * 3 + [(1, 2, 3)]
+
+
+def counters(nodes: NodeSet, key: str = FENCE_KEY) -> list[int | None]:
+    """Return every node's fencing counter (None where there is none)."""
+    values: list[int | None] = []
+    for node in nodes:
+        with node.client() as client:
+            raw = client.get(key)
+        values.append(None if raw is None else int(raw))
+    return values
+
+
+def lock_fence(node: RedisNode) -> int | None:
+    """Return the fencing token recorded on ``node``'s lock hash, if any."""
+    with node.client() as client:
+        raw = client.hget(LOCK_KEY, "fence")
+    return None if raw is None else int(raw)
+
+
+@contextlib.contextmanager
+def only(nodes: NodeSet, majority: Sequence[int]) -> Iterator[None]:
+    """Freeze (SIGSTOP) every node outside ``majority`` for the block."""
+    frozen = [node for i, node in enumerate(nodes) if i not in majority]
+    for node in frozen:
+        node.pause()
+    try:
+        yield
+    finally:
+        for node in frozen:
+            node.resume()
+
+
+@contextlib.contextmanager
+def held(lock: Redlock) -> Iterator[None]:
+    """Release ``lock`` if the block fails while this thread holds it.
+
+    Otherwise the hold would outlive the test, and a later test's acquire in the
+    same thread would merely re-enter it.
+    """
+    try:
+        yield
+    except BaseException:
+        if lock.depth:
+            with contextlib.suppress(LockError):
+                lock.release()
+        raise
+
+
+def assert_strictly_increasing(tokens: Sequence[int]) -> None:
+    for step, (before, after) in enumerate(itertools.pairwise(tokens), start=1):
+        assert after > before, f"step {step}: token {after} after {before}: {tokens}"
+
+
+def first_non_increase(tokens: Sequence[int]) -> int | None:
+    """Return the first step whose token is not above the previous one."""
+    for step, (before, after) in enumerate(itertools.pairwise(tokens), start=1):
+        if after <= before:
+            return step
+    return None
+
+
+def fenced_lock(**options: Any) -> Redlock:
+    """Return a fencing lock whose short lease ends a frozen node's late write soon."""
+    return Redlock(RESOURCE, fencing=True, ttl=1.0, **options)
+
+
+def redlock_step(nodes: NodeSet, lock: Redlock, majority: Sequence[int]) -> int:
+    """Acquire ``lock`` with only ``majority`` awake; check who granted; release.
+
+    The granting nodes hold the token on the lock hash and as their counter; the
+    nodes left out keep their counters unchanged.
+    """
+    before = counters(nodes)
+    with only(nodes, majority), held(lock):
+        assert lock.acquire(timeout=3.0), f"not acquired with {majority} awake"
+        token = lock.fencing_token
+        assert isinstance(token, int)
+        for i in majority:
+            assert lock_fence(nodes[i]) == token, f"node {i}"
+    after = counters(nodes)
+    lock.release()
+    for i in range(len(nodes)):
+        expected = token if i in majority else before[i]
+        assert after[i] == expected, f"{majority}: counters {before} -> {after}"
+    return token
+
+
+class NaiveFencing:
+    """The naive scheme: SET NX PX on every node, then INCR each granting node's
+    counter and take the max of the replies as the token. No write-back.
+    """
+
+    lock_key = f"naive:lock:{RESOURCE}"
+    fence_key = f"naive:fence:{RESOURCE}"
+    ttl_ms = 1000
+
+    def __init__(self, nodes: NodeSet) -> None:
+        self.nodes = nodes
+        self.clients = [
+            node.client(socket_timeout=0.05, socket_connect_timeout=0.05)
+            for node in nodes
+        ]
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+    def _lock_on(self, client: redis.Redis, value: str) -> bool:
+        try:
+            return bool(client.set(self.lock_key, value, nx=True, px=self.ttl_ms))
+        except redis.RedisError:
+            return False
+
+    def step(self, majority: Sequence[int]) -> int:
+        """Acquire with only ``majority`` awake, take a token, release."""
+        value = uuid.uuid4().hex
+        with only(self.nodes, majority):
+            granted = [
+                i
+                for i, client in enumerate(self.clients)
+                if self._lock_on(client, value)
+            ]
+            assert granted == list(majority)
+            token = max(int(self.clients[i].incr(self.fence_key)) for i in granted)
+        for client in self.clients:
+            if client.get(self.lock_key) == value.encode():
+                client.delete(self.lock_key)
+        return token
+
+
+def test_successive_acquisitions_get_strictly_increasing_tokens(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """50 acquisitions in a row, with new lock objects too, get rising tokens."""
+    tokens: list[int] = []
+    for i in range(50):
+        lock = Redlock(RESOURCE, fencing=True) if i % 2 else fenced_lock()
+        with lock:
+            token = lock.fencing_token
+            assert isinstance(token, int)
+            tokens.append(token)
+    assert_strictly_increasing(tokens)
+    assert counters(nodes) == [tokens[-1]] * 5
+
+
+async def test_async_successive_acquisitions_get_strictly_increasing_tokens(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """50 ``async with`` acquisitions in a row get rising tokens."""
+    lock = Redlock(RESOURCE, fencing=True)
+    tokens: list[int] = []
+    for _ in range(50):
+        async with lock:
+            token = lock.fencing_token
+            assert isinstance(token, int)
+            tokens.append(token)
+    assert_strictly_increasing(tokens)
+    assert counters(nodes) == [tokens[-1]] * 5
+
+
+def test_tokens_strictly_increase_across_acquisitions_won_by_different_majorities(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """Two rounds of all 16 majorities of 5 (the rest frozen): tokens always rise.
+
+    Each step also checks that exactly the awake nodes granted: they record the
+    token on the lock hash and raise their counter to it; frozen nodes do not.
+    """
+    lock = fenced_lock()
+    sequence = EVERY_MAJORITY + list(reversed(EVERY_MAJORITY))
+    tokens = [redlock_step(nodes, lock, majority) for majority in sequence]
+    assert_strictly_increasing(tokens)
+
+
+async def test_async_tokens_strictly_increase_across_different_majorities(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The asyncio API through every 3-node majority: tokens always rise."""
+    lock = fenced_lock()
+    tokens = []
+    for majority in itertools.combinations(range(5), 3):
+        try:
+            with only(nodes, majority):
+                assert await lock.aacquire(timeout=3.0)
+                token = lock.fencing_token
+                assert isinstance(token, int)
+                for i in majority:
+                    assert lock_fence(nodes[i]) == token
+        finally:
+            if lock.depth:
+                await lock.arelease()
+        tokens.append(token)
+    assert_strictly_increasing(tokens)
+
+
+@pytest.mark.parametrize(
+    "sequence",
+    [FAR_AHEAD_NODE, list(itertools.combinations(range(5), 3))],
+    ids=["far-ahead-node", "every-3-of-5"],
+)
+def test_naive_per_node_incr_goes_backwards_where_redlock_tokens_do_not(
+    redlock_settings: dict[str, Any], nodes: NodeSet, sequence: list[tuple[int, ...]]
+) -> None:
+    """INCR + max over the granting nodes is not monotonic; the write-back is.
+
+    Driven through the same majorities on the same servers, the naive scheme hands
+    out a token no greater than an earlier one, while ``Redlock`` never does.
+    """
+    naive = NaiveFencing(nodes)
+    try:
+        naive_tokens = [naive.step(majority) for majority in sequence]
+    finally:
+        naive.close()
+    step = first_non_increase(naive_tokens)
+    assert step is not None, f"naive tokens rose throughout: {naive_tokens}"
+
+    lock = fenced_lock()
+    tokens = [redlock_step(nodes, lock, majority) for majority in sequence]
+    assert_strictly_increasing(tokens)
+
+
+def test_fencing_token_is_recorded_on_the_lock_and_a_quorum_of_counters(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The granting nodes store the token (``HGET ... fence``) and a counter >= it."""
+    with nodes[1].client() as client:
+        client.set(FENCE_KEY, 41)  # one node is ahead: the token must pass it
+    lock = Redlock(RESOURCE, fencing=True)
+    with only(nodes, (0, 1, 2, 3)), lock:
+        token = lock.fencing_token
+        assert token == 42
+        for i in range(4):
+            assert lock_fence(nodes[i]) == token
+            with nodes[i].client() as client:
+                assert client.pttl(LOCK_KEY) > 0
+    at_least = [value for value in counters(nodes) if (value or 0) >= 42]
+    assert len(at_least) >= QUORUM
+    assert counters(nodes)[:4] == [42, 42, 42, 42]
+    assert counters(nodes)[4] is None
+
+
+def test_lock_without_fencing_has_no_token_and_writes_no_counter(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """Without ``fencing``: ``fencing_token`` is None, no counter, no ``fence``."""
+    plain = Redlock(RESOURCE)
+    with plain:
+        assert plain.fencing_token is None
+        for node in nodes:
+            with node.client() as client:
+                assert client.hgetall(LOCK_KEY).keys() == {b"token", b"meta"}
+    for node in nodes:
+        with node.client() as client:
+            assert client.keys("redlock:fence:*") == []
+
+    # Control: the same checks see the counter that a fencing lock writes.
+    with Redlock(RESOURCE, fencing=True) as fenced:
+        assert fenced.fencing_token == 1
+        for node in nodes:
+            with node.client() as client:
+                assert client.hget(LOCK_KEY, "fence") == b"1"
+    for node in nodes:
+        with node.client() as client:
+            assert client.keys("redlock:fence:*") == [FENCE_KEY.encode()]
+
+
+class FreezeOnGrant(threading.Thread):
+    """Freeze ``targets`` as soon as each of them holds the lock key.
+
+    The first round's replies are already sent then; the write-back round that
+    follows finds them frozen.
+    """
+
+    def __init__(self, targets: Sequence[RedisNode], limit: float = 5.0) -> None:
+        super().__init__(daemon=True)
+        self.targets = list(targets)
+        self.limit = limit
+        self.frozen: list[RedisNode] = []
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.limit
+        clients = [node.client() for node in self.targets]
+        try:
+            while len(self.frozen) < len(self.targets):
+                if time.monotonic() > deadline:
+                    return
+                for node, client in zip(self.targets, clients, strict=True):
+                    if node not in self.frozen and client.exists(LOCK_KEY):
+                        node.pause()
+                        self.frozen.append(node)
+                time.sleep(0.0005)
+        finally:
+            for client in clients:
+                client.close()
+
+
+def test_acquisition_fails_when_the_write_back_misses_a_quorum(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """Four nodes grant, two of them freeze before the write-back: no lock.
+
+    Node 4 is frozen from the start, so the first round waits ``node_timeout`` for
+    it; meanwhile nodes 0 and 1 are frozen right after they granted. Only nodes 2
+    and 3 confirm the token, fewer than a quorum: the acquisition must fail.
+    """
+    lock = Redlock(RESOURCE, fencing=True, ttl=5.0, node_timeout=0.3)
+    nodes[4].pause()
+    freezer = FreezeOnGrant([nodes[0], nodes[1]])
+    freezer.start()
+    with held(lock), pytest.raises(QuorumUnavailableError) as caught:
+        lock.acquire(timeout=0)
+    freezer.join()
+    assert set(freezer.frozen) == {nodes[0], nodes[1]}
+    assert caught.value.granted == 2
+    assert len(caught.value.failed) == 3
+    assert not lock.owned()
+    assert lock.fencing_token is None
+    # The two awake nodes did take the write-back: their counters rose.
+    assert counters(nodes[2:4]) == [1, 1]
+
+
+def test_acquisition_holds_when_the_write_back_reaches_exactly_a_quorum(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """Four nodes grant, one freezes before the write-back: three confirm, held."""
+    lock = Redlock(RESOURCE, fencing=True, ttl=5.0, node_timeout=0.3)
+    nodes[4].pause()
+    freezer = FreezeOnGrant([nodes[0]])
+    freezer.start()
+    assert lock.acquire(timeout=0)
+    freezer.join()
+    try:
+        assert freezer.frozen == [nodes[0]]
+        assert lock.owned()
+        assert lock.fencing_token == 1
+        assert [lock_fence(nodes[i]) for i in (1, 2, 3)] == [1, 1, 1]
+    finally:
+        nodes.resume_all()
+        lock.release()
+
+
+@pytest.mark.parametrize("corruption", ["wrong-type", "not-a-number"])
+def test_a_node_whose_counter_is_corrupt_is_left_out_of_the_quorum(
+    redlock_settings: dict[str, Any], nodes: NodeSet, corruption: str
+) -> None:
+    """A counter that is not an integer makes its node fail, like any node error.
+
+    The lock is taken on the other four with a token above their counters, and
+    its release leaves nothing behind on any node.
+    """
+    with nodes[0].client() as client:
+        if corruption == "wrong-type":
+            client.hset(FENCE_KEY, "field", "1")
+        else:
+            client.set(FENCE_KEY, "not-a-number")
+    for node in nodes[1:]:
+        with node.client() as client:
+            client.set(FENCE_KEY, 7)
+    lock = Redlock(RESOURCE, fencing=True)
+    assert lock.acquire(timeout=0)
+    try:
+        assert lock.fencing_token == 8
+        assert lock_fence(nodes[0]) is None
+        assert [lock_fence(node) for node in nodes[1:]] == [8, 8, 8, 8]
+    finally:
+        lock.release()
+    for node in nodes:
+        with node.client() as client:
+            assert client.exists(LOCK_KEY) == 0
