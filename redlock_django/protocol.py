@@ -235,7 +235,9 @@ def acquire_flow(
             yield cleanup
             raise
         granted = tuple(
-            i for i, r in zip(every, replies, strict=True) if r.ok and r.value >= 0
+            i
+            for i, r in zip(every, replies, strict=True)
+            if isinstance(r.value, int) and r.value >= 0
         )
         failed = _failed(spec, replies, every)
         left = validity(spec.ttl, clock() - start, spec.drift_factor)

@@ -38,20 +38,25 @@ class Script:
 # ARGV[1] token; ARGV[2] lease in ms; ARGV[3] holder metadata (JSON)
 # returns -1 when another token (or a foreign value) holds the key; otherwise grants
 # or refreshes our own leftover from an earlier attempt, and returns the fencing
-# counter (0 when absent or not asked for).
+# counter (0 when absent or not asked for). A counter that is not an integer is an
+# error reply, checked before anything is written, so that node just votes no.
 ACQUIRE_SCRIPT = Script(
     "acquire",
     """
+local fence = 0
+if KEYS[2] then
+  fence = tonumber(redis.call('get', KEYS[2]) or '0')
+  if not fence then
+    return redis.error_reply('fencing counter ' .. KEYS[2] .. ' is not a number')
+  end
+end
 local owner = redis.pcall('hget', KEYS[1], 'token')
 if owner and (type(owner) == 'table' or owner ~= ARGV[1]) then
   return -1
 end
 redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])
 redis.call('pexpire', KEYS[1], ARGV[2])
-if KEYS[2] then
-  return tonumber(redis.call('get', KEYS[2]) or '0')
-end
-return 0
+return fence
 """,
 )
 

@@ -69,20 +69,19 @@ def fanout(
             replies[i] = NodeReply(error=describe(exc))
             continue
         sent.append((i, conn))
-    # Read every reply; a node restarted or flushed its scripts (NOSCRIPT): send it
-    # the source, which caches the script again, and read once more.
-    queue = [(i, conn, not step.critical) for i, conn in sent]
+    # Read every reply. A node that answers NOSCRIPT (restarted, or SCRIPT FLUSH)
+    # gets the source once, which caches the script again, and is read once more.
+    queue = [(i, conn, False) for i, conn in sent]
     try:
         while queue:
-            i, conn, by_sha = queue[0]
+            i, conn, resent = queue[0]
             try:
-                if not by_sha:
-                    conn.send_command(*_command(step, by_sha=False))
                 wait = max(deadline - time.monotonic(), _MIN_WAIT)
                 replies[i] = NodeReply(conn.read_response(timeout=wait))
             except NoScriptError:
-                if by_sha:
-                    queue[0] = (i, conn, False)
+                if not resent:
+                    conn.send_command(*_command(step, by_sha=False))
+                    queue[0] = (i, conn, True)
                     continue
                 replies[i] = NodeReply(error="NoScriptError")
             except Exception as exc:
