@@ -1,0 +1,568 @@
+"""Read-only views of the lock nodes, for the admin and ``manage.py redlock``.
+
+Listing comes in two steps, so that a page of 10,000 held locks stays cheap:
+``lock_resources()`` SCANs key names only (never KEYS, which blocks a node while it
+walks every key), and ``describe()`` fetches the details (HGETALL + PTTL, one
+pipeline per node) of just the resources on the page shown. ``force_release()`` is
+the one write: a compare-and-delete against the token digest an operator saw.
+
+Every node is asked at once, one thread each, so a hung node costs one timeout per
+call rather than one per node. Node errors never raise out of this module: an
+unreachable node shows up in ``node_status()``, is skipped (and logged) by the
+listings, and is named in ``ForceRelease.failed``.
+
+Inspection uses its own pools, with a timeout of ``max(NODE_TIMEOUT,
+INSPECT_TIMEOUT)``. NODE_TIMEOUT is small because every millisecond a lock waits
+for a node comes out of its validity window; a listing holds no lease and has no
+such budget, while a SCAN batch of 1,000 keys or a pipeline of 200 commands on a
+busy node can take longer than 50 ms. With NODE_TIMEOUT a loaded node would be
+shown as unreachable and its locks silently dropped from the page. Half a second
+still bounds a page load when a node hangs, because the nodes are asked in
+parallel; ``INSPECT_DEADLINE`` bounds a whole SCAN walk of one node.
+
+Tokens are capabilities (whoever knows one can release or extend the lock), so only
+``token_digest`` (a 12 hex digit prefix of the token's SHA1) ever leaves this
+module; node addresses are ``NodeSpec.display``, which never holds a password.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import redis
+from redis.exceptions import ResponseError
+
+from . import nodes as node_pools
+from .conf import RedlockSettings, get_settings
+from .lock import _check_resource
+from .protocol import quorum
+from .scripts import Script
+from .sync import describe as describe_error
+
+__all__ = [
+    "DIGEST_LENGTH",
+    "FORCE_RELEASE_SCRIPT",
+    "INSPECT_DEADLINE",
+    "INSPECT_TIMEOUT",
+    "SCAN_CAP",
+    "SCAN_COUNT",
+    "ForceRelease",
+    "HeldLock",
+    "NodeStatus",
+    "describe",
+    "force_release",
+    "held_locks",
+    "lock_resources",
+    "node_status",
+    "token_digest",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Seconds each inspection command may take on one node (at least NODE_TIMEOUT).
+INSPECT_TIMEOUT = 0.5
+#: Seconds a whole SCAN walk of one node may take before it is abandoned.
+INSPECT_DEADLINE = 5.0
+#: The COUNT hint of each SCAN call: keys the node examines per round trip.
+SCAN_COUNT = 1000
+#: Most lock keys read from one node; ``NodeStatus.lock_keys == SCAN_CAP`` means
+#: "at least this many", and ``lock_resources()`` lists no more than this per node.
+SCAN_CAP = 100_000
+#: Hex digits of the token's SHA1 shown in place of the token.
+DIGEST_LENGTH = 12
+#: Resources per pipeline in ``describe()``: bounds one round trip's size.
+_DESCRIBE_BATCH = 1000
+
+_GLOB = re.compile(r"([*?\[\]\\])")
+_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_LENGTH},40}}")
+
+
+# KEYS[1] lock key
+# ARGV[1] a prefix of the SHA1 of the token to evict (lowercase hex)
+# returns 1 when the key held a token whose SHA1 starts with ARGV[1] and it was
+# deleted, else 0: a lock that changed hands since the operator saw it, a key that
+# is gone, or a value of another type is left alone. The fencing counter is not
+# touched: it already covers the evicted holder's token on a quorum, so the next
+# holder gets a greater one.
+FORCE_RELEASE_SCRIPT = Script(
+    "force_release",
+    """
+local token = redis.pcall('hget', KEYS[1], 'token')
+if type(token) ~= 'string' then
+  return 0
+end
+if string.sub(redis.sha1hex(token), 1, string.len(ARGV[1])) ~= ARGV[1] then
+  return 0
+end
+return redis.call('del', KEYS[1])
+""",
+)
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """Health of one node: reachable or not, latency, version, lock keys.
+
+    ``address`` is ``NodeSpec.display`` (never a password). ``latency_ms`` is a
+    PING round trip on an open connection; ``version`` is INFO's
+    ``redis_version``; ``lock_keys`` counts the keys under ``<prefix>:lock:``
+    (``SCAN_CAP`` means at least that many; None when the count failed).
+    ``error`` says briefly why the node is unreachable, without credentials.
+    """
+
+    index: int
+    address: str
+    reachable: bool
+    latency_ms: float | None
+    version: str | None
+    lock_keys: int | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class HeldLock:
+    """One lock as the nodes hold it right now, merged across the nodes.
+
+    The token held on most nodes is *the* lock: ``token_digest`` (a prefix of its
+    SHA1, never the token), ``nodes`` (the indices holding it) and the holder
+    metadata come from it; ``other_tokens`` counts nodes holding anything else
+    under the same key (leftovers of another owner's failed attempt). A lock held
+    on fewer than ``quorum`` nodes is still listed: ``below_quorum`` flags it.
+    ``time_left`` is the smallest lease left among ``nodes``, in seconds
+    (``math.inf`` for a key without expiry, which the library never writes).
+    """
+
+    resource: str
+    token_digest: str
+    nodes: tuple[int, ...]
+    node_count: int
+    quorum: int
+    host: str | None
+    pid: int | None
+    holder: str | None
+    label: str
+    acquired_at: datetime | None
+    ttl: float | None
+    time_left: float
+    fencing_token: int | None
+    other_tokens: int
+
+    @property
+    def held_on(self) -> int:
+        """Return on how many nodes the lock's token is held."""
+        return len(self.nodes)
+
+    @property
+    def below_quorum(self) -> bool:
+        """Return whether the token is held on fewer nodes than a quorum."""
+        return self.held_on < self.quorum
+
+
+@dataclass(frozen=True)
+class ForceRelease:
+    """Outcome of ``force_release()`` on every node.
+
+    ``released``: indices of the nodes where the key with that token was deleted;
+    ``failed``: node address -> why the node could not be asked; ``changed``: no
+    node failed and none held that token any more, so nothing was released (the
+    lock expired, was released, or changed hands since it was shown).
+    """
+
+    released: tuple[int, ...]
+    failed: dict[str, str] = field(default_factory=dict)
+    changed: bool = False
+
+
+def token_digest(token: bytes | str) -> str:
+    """Return the digest shown for ``token``: the first hex digits of its SHA1."""
+    if isinstance(token, str):
+        token = token.encode()
+    return hashlib.sha1(token, usedforsecurity=False).hexdigest()[:DIGEST_LENGTH]
+
+
+# --- running on every node ------------------------------------------------------
+
+
+def _clients(conf: RedlockSettings) -> list[redis.Redis]:
+    timeout = max(conf.node_timeout, INSPECT_TIMEOUT)
+    pools = node_pools.sync_pools(conf.nodes, timeout)
+    return [redis.Redis(connection_pool=pool) for pool in pools]
+
+
+def _on_every_node(
+    conf: RedlockSettings, work: Callable[[redis.Redis], T]
+) -> list[T | Exception]:
+    """Run ``work`` on every node at once; return its result or error per node."""
+    clients = _clients(conf)
+
+    def run(client: redis.Redis) -> T | Exception:
+        try:
+            return work(client)
+        except Exception as exc:
+            return exc
+
+    if len(clients) == 1:
+        return [run(clients[0])]
+    with ThreadPoolExecutor(
+        max_workers=len(clients), thread_name_prefix="redlock-inspect"
+    ) as executor:
+        return list(executor.map(run, clients))
+
+
+class _DeadlineError(Exception):
+    """A SCAN walk of one node took longer than ``INSPECT_DEADLINE``."""
+
+    def __str__(self) -> str:
+        return f"scan took longer than {INSPECT_DEADLINE:g}s"
+
+
+def _scan(client: redis.Redis, pattern: str) -> Iterable[bytes]:
+    """Yield the keys matching ``pattern``, up to ``SCAN_CAP`` of them."""
+    deadline = time.monotonic() + INSPECT_DEADLINE
+    cursor = 0
+    found = 0
+    while True:
+        cursor, keys = client.scan(cursor, match=pattern, count=SCAN_COUNT)
+        for key in keys:
+            # decode_responses is off in the pools: keys come back as bytes.
+            yield key if isinstance(key, bytes) else key.encode()
+            found += 1
+            if found >= SCAN_CAP:
+                return
+        if cursor == 0:
+            return
+        if time.monotonic() > deadline:
+            raise _DeadlineError
+
+
+def _lock_pattern(conf: RedlockSettings, search: str = "") -> str:
+    # KEY_PREFIX is validated free of glob characters; the search term is escaped.
+    escaped = _GLOB.sub(r"\\\1", search)
+    return f"{conf.key_prefix}:lock:*" + (f"{escaped}*" if escaped else "")
+
+
+# --- node health ----------------------------------------------------------------
+
+
+def node_status() -> list[NodeStatus]:
+    """Return the health of every configured node, in ``NODES`` order.
+
+    Never raises for a node: an unreachable one has ``reachable=False`` and a short
+    ``error``. A node that answers PING but refuses INFO or SCAN (an ACL without
+    them) is reachable with ``version`` or ``lock_keys`` None.
+    """
+    conf = get_settings()
+    pattern = _lock_pattern(conf)
+
+    def probe(client: redis.Redis) -> tuple[float, str | None, int | None]:
+        # The first PING may open the connection; time the second, a pure round trip.
+        client.ping()
+        started = time.monotonic()
+        client.ping()
+        latency_ms = (time.monotonic() - started) * 1000
+        version: str | None
+        try:
+            info = client.info("server")
+            raw = info.get("redis_version")
+            version = None if raw is None else _text(raw)
+        except redis.ConnectionError:
+            raise
+        except redis.RedisError:
+            version = None
+        lock_keys: int | None
+        try:
+            lock_keys = sum(1 for _ in _scan(client, pattern))
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except (redis.RedisError, _DeadlineError):
+            lock_keys = None
+        return latency_ms, version, lock_keys
+
+    statuses = []
+    for node, outcome in zip(conf.nodes, _on_every_node(conf, probe), strict=True):
+        if isinstance(outcome, Exception):
+            statuses.append(
+                NodeStatus(
+                    node.index,
+                    node.display,
+                    False,
+                    None,
+                    None,
+                    None,
+                    describe_error(outcome),
+                )
+            )
+        else:
+            latency_ms, version, lock_keys = outcome
+            statuses.append(
+                NodeStatus(
+                    node.index, node.display, True, latency_ms, version, lock_keys, None
+                )
+            )
+    return statuses
+
+
+# --- listing --------------------------------------------------------------------
+
+
+def lock_resources(search: str = "", *, descending: bool = False) -> list[str]:
+    """Return the resources with a lock key on any node whose name contains ``search``.
+
+    SCAN MATCH ``<prefix>:lock:*<search>*`` (glob characters in ``search``
+    escaped, so it matches literally and case-sensitively) with COUNT on every
+    node, never KEYS; the union, sorted (``descending`` reverses it). Only names
+    are read, so this stays cheap with many locks; ``describe()`` the page shown.
+    A node that fails is skipped (and logged); at most ``SCAN_CAP`` keys are read
+    per node.
+    """
+    conf = get_settings()
+    pattern = _lock_pattern(conf, search)
+    head = f"{conf.key_prefix}:lock:".encode()
+
+    def scan(client: redis.Redis) -> list[bytes]:
+        return list(_scan(client, pattern))
+
+    resources: set[str] = set()
+    for node, outcome in zip(conf.nodes, _on_every_node(conf, scan), strict=True):
+        if isinstance(outcome, Exception):
+            logger.info(
+                "redlock inspection skipped %s: %s",
+                node.display,
+                describe_error(outcome),
+            )
+            continue
+        if len(outcome) >= SCAN_CAP:
+            logger.warning(
+                "redlock inspection read only the first %d lock keys of %s",
+                SCAN_CAP,
+                node.display,
+            )
+        for key in outcome:
+            if not key.startswith(head):
+                continue
+            try:
+                resources.add(key[len(head) :].decode())
+            except UnicodeDecodeError:
+                # Not written by this library, which encodes str resources.
+                continue
+    return sorted(resources, reverse=descending)
+
+
+@dataclass
+class _Seen:
+    """What one node holds under one resource's key."""
+
+    node: int
+    fields: dict[bytes, bytes]
+    pttl: int
+
+
+def describe(resources: Sequence[str]) -> list[HeldLock]:
+    """Return the held locks of ``resources``, in the order given.
+
+    One pipeline per node (HGETALL and PTTL for each resource), all nodes at
+    once. A resource that no node holds with a token (gone meanwhile, or only a
+    value of another kind) is omitted; a failed node is skipped (and logged).
+    """
+    conf = get_settings()
+    resources = list(dict.fromkeys(resources))
+    keys = [f"{conf.key_prefix}:lock:{resource}" for resource in resources]
+
+    def fetch(client: redis.Redis) -> list[Any]:
+        replies: list[Any] = []
+        for start in range(0, len(keys), _DESCRIBE_BATCH):
+            pipe = client.pipeline(transaction=False)
+            for key in keys[start : start + _DESCRIBE_BATCH]:
+                pipe.hgetall(key)
+                pipe.pttl(key)
+            replies.extend(pipe.execute(raise_on_error=False))
+        return replies
+
+    if not keys:
+        return []
+    per_node = _on_every_node(conf, fetch)
+    seen: list[list[_Seen]] = [[] for _ in resources]
+    foreign = [0] * len(resources)
+    for node, outcome in zip(conf.nodes, per_node, strict=True):
+        if isinstance(outcome, Exception):
+            logger.info(
+                "redlock inspection skipped %s: %s",
+                node.display,
+                describe_error(outcome),
+            )
+            continue
+        for position in range(len(resources)):
+            fields, pttl = outcome[2 * position], outcome[2 * position + 1]
+            if isinstance(fields, ResponseError) or isinstance(pttl, ResponseError):
+                # WRONGTYPE: a value of another kind blocks the key on this node.
+                foreign[position] += 1
+            elif not fields or pttl == -2:
+                continue
+            elif b"token" not in fields:
+                foreign[position] += 1
+            else:
+                seen[position].append(_Seen(node.index, fields, pttl))
+
+    held = []
+    for resource, entries, others in zip(resources, seen, foreign, strict=True):
+        merged = _merge(resource, entries, others, len(conf.nodes))
+        if merged is not None:
+            held.append(merged)
+    return held
+
+
+def held_locks(search: str = "") -> list[HeldLock]:
+    """Return every held lock whose resource contains ``search``; for small sets."""
+    return describe(lock_resources(search))
+
+
+def _merge(
+    resource: str, entries: list[_Seen], foreign: int, node_count: int
+) -> HeldLock | None:
+    by_token: dict[bytes, list[_Seen]] = {}
+    for entry in entries:
+        by_token.setdefault(entry.fields[b"token"], []).append(entry)
+    if not by_token:
+        return None
+
+    def lease_ms(entry: _Seen) -> float:
+        return math.inf if entry.pttl == -1 else entry.pttl
+
+    # Most nodes wins; on a tie, the longer lease (the later attempt), then the
+    # digest, so the choice is the same on every refresh.
+    token, holding = max(
+        by_token.items(),
+        key=lambda item: (
+            len(item[1]),
+            min(lease_ms(entry) for entry in item[1]),
+            token_digest(item[0]),
+        ),
+    )
+    meta = _meta(holding[0].fields.get(b"meta"))
+    fences = [_int(entry.fields.get(b"fence")) for entry in holding]
+    known_fences = [fence for fence in fences if fence is not None]
+    left_ms = min(lease_ms(entry) for entry in holding)
+    return HeldLock(
+        resource=resource,
+        token_digest=token_digest(token),
+        nodes=tuple(sorted(entry.node for entry in holding)),
+        node_count=node_count,
+        quorum=quorum(node_count),
+        host=_optional_str(meta.get("host")),
+        pid=_int(meta.get("pid")),
+        holder=_optional_str(meta.get("holder")),
+        label=_optional_str(meta.get("label")) or "",
+        acquired_at=_datetime(meta.get("acquired_at")),
+        ttl=_float(meta.get("ttl")),
+        time_left=left_ms / 1000,
+        fencing_token=max(known_fences) if known_fences else None,
+        other_tokens=len(entries) - len(holding) + foreign,
+    )
+
+
+# Metadata is written by this library but read defensively: a key under the prefix
+# may come from another version or another writer.
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _meta(raw: bytes | None) -> dict[str, object]:
+    if raw is None:
+        return {}
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _optional_str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, bytes | str):
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _float(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _datetime(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC)
+
+
+# --- force release --------------------------------------------------------------
+
+
+def force_release(resource: str, token_digest: str) -> ForceRelease:
+    """Delete ``resource``'s lock on every node where its token matches the digest.
+
+    A compare-and-delete (``FORCE_RELEASE_SCRIPT``), never a generic DEL: a node
+    deletes the key only if the SHA1 of the token it holds starts with
+    ``token_digest``, so a lock that changed hands since it was shown is left
+    alone (``changed``). Only keys under the configured prefix can be reached.
+    Raise ``ValueError`` for an invalid resource name or a digest that is not
+    12 to 40 hex digits; node errors are reported in ``failed``, never raised.
+    The caller logs who asked for it.
+    """
+    _check_resource(resource)
+    digest = token_digest.lower() if isinstance(token_digest, str) else ""
+    if not _DIGEST.fullmatch(digest):
+        raise ValueError(
+            f"token_digest must be {DIGEST_LENGTH} to 40 hex digits, "
+            f"not {token_digest!r}"
+        )
+    conf = get_settings()
+    key = f"{conf.key_prefix}:lock:{resource}"
+    script = FORCE_RELEASE_SCRIPT
+
+    def run(client: redis.Redis) -> int:
+        return int(client.eval(script.source, 1, key, digest))
+
+    released: list[int] = []
+    failed: dict[str, str] = {}
+    for node, outcome in zip(conf.nodes, _on_every_node(conf, run), strict=True):
+        if isinstance(outcome, Exception):
+            failed[node.display] = describe_error(outcome)
+        elif outcome:
+            released.append(node.index)
+    return ForceRelease(
+        released=tuple(released),
+        failed=failed,
+        changed=not released and not failed,
+    )

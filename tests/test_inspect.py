@@ -1,0 +1,424 @@
+"""redlock_django.inspect on real nodes: listing, merging, health, force release."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from redlock_django import LockError, Redlock
+from redlock_django import inspect as redlock_inspect
+from redlock_django.inspect import (
+    FORCE_RELEASE_SCRIPT,
+    ForceRelease,
+    HeldLock,
+    describe,
+    force_release,
+    held_locks,
+    lock_resources,
+    node_status,
+)
+from tests._nodes import NodeSet
+
+PASSWORD = "s3cret-pass"
+
+
+@pytest.fixture
+def hold(redlock_settings: dict[str, Any]) -> Iterator[Callable[..., Redlock]]:
+    """Return ``hold(resource, **options)``: acquire a lock, released at teardown."""
+    held: list[Redlock] = []
+
+    def acquire(resource: str, **options: Any) -> Redlock:
+        lock = Redlock(resource, **options)
+        assert lock.acquire(blocking=False)
+        held.append(lock)
+        return lock
+
+    yield acquire
+    for lock in reversed(held):
+        # Some tests force-release or delete the keys: the lock may be gone.
+        with contextlib.suppress(LockError):
+            lock.release()
+
+
+def key(resource: str) -> str:
+    return f"redlock:lock:{resource}"
+
+
+def token_on(nodes: NodeSet, index: int, resource: str) -> bytes:
+    with nodes[index].client() as client:
+        token = client.hget(key(resource), "token")
+    assert isinstance(token, bytes)
+    return token
+
+
+def sha1_prefix(token: bytes) -> str:
+    return hashlib.sha1(token).hexdigest()[:12]
+
+
+def test_held_locks_lists_a_lock_with_its_holder_on_every_node(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """A held lock is listed once, held on 5/5, with its holder and fencing token."""
+    before = datetime.now(UTC)
+    lock = hold("order:42", label="POST /orders/42/pay", fencing=True)
+    (held,) = held_locks()
+    token = token_on(nodes, 0, "order:42")
+    assert held.resource == "order:42"
+    assert held.nodes == (0, 1, 2, 3, 4)
+    assert (held.held_on, held.node_count, held.quorum) == (5, 5, 3)
+    assert not held.below_quorum
+    assert held.host == socket.gethostname()
+    assert held.pid == os.getpid()
+    assert held.holder == threading.current_thread().name
+    assert held.label == "POST /orders/42/pay"
+    assert held.acquired_at is not None and held.acquired_at.tzinfo is not None
+    assert before - timedelta(seconds=1) <= held.acquired_at <= datetime.now(UTC)
+    assert held.ttl == 10.0
+    assert 8.0 < held.time_left <= 10.0
+    assert held.fencing_token == lock.fencing_token is not None
+    assert held.other_tokens == 0
+    assert held.token_digest == sha1_prefix(token)
+    # The token is a capability: only its digest leaves the module.
+    assert token.decode() not in repr(held)
+
+
+def test_lock_resources_escapes_glob_characters_in_the_search(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """Search terms match literally: '*' finds 'a*b' only, not every lock."""
+    names = ["a*b", "axb", "a?c", "abc", "a[b]", "ab", "back\\slash", "plain"]
+    for name in names:
+        hold(name)
+    assert lock_resources() == sorted(names)
+    assert lock_resources("*") == ["a*b"]
+    assert lock_resources("a*b") == ["a*b"]
+    assert lock_resources("?") == ["a?c"]
+    assert lock_resources("[b]") == ["a[b]"]
+    assert lock_resources("\\") == ["back\\slash"]
+    assert lock_resources("b") == sorted(n for n in names if "b" in n)
+    assert lock_resources("nothing-like-it") == []
+    # Negative control: the same terms unescaped are patterns matching other locks.
+    with nodes[0].client() as client:
+        unescaped = {k.decode() for k in client.scan_iter("redlock:lock:*a*b*")}
+        assert key("axb") in unescaped and key("ab") in unescaped
+
+
+def test_lock_resources_sorts_and_merges_keys_found_on_any_node(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """The union over nodes, sorted; a key held on one node only is listed too."""
+    for name in ["b", "c", "a"]:
+        hold(name)
+    with nodes[4].client() as client:
+        client.hset(key("only-on-4"), mapping={"token": "x", "meta": "{}"})
+        client.pexpire(key("only-on-4"), 10_000)
+        # Fencing counters live beside the locks and are not locks.
+        client.set("redlock:fence:counter-only", 7)
+    assert lock_resources() == ["a", "b", "c", "only-on-4"]
+    assert lock_resources(descending=True) == ["only-on-4", "c", "b", "a"]
+
+
+def test_describe_keeps_the_order_given_and_omits_resources_not_held(
+    hold: Callable[..., Redlock],
+) -> None:
+    """describe() returns one row per held resource, in the order asked for."""
+    for name in ["x", "y", "z"]:
+        hold(name)
+    rows = describe(["z", "missing", "x", "z"])
+    assert [row.resource for row in rows] == ["z", "x"]
+    assert describe([]) == []
+
+
+def test_describe_flags_a_lock_held_on_fewer_than_a_quorum(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """A lock left on 2 of 5 nodes is listed, flagged below quorum, not hidden."""
+    hold("minority")
+    for node in nodes[:3]:
+        with node.client() as client:
+            client.delete(key("minority"))
+    (held,) = held_locks()
+    assert held.nodes == (3, 4)
+    assert held.held_on == 2
+    assert held.below_quorum
+    assert held.other_tokens == 0
+
+
+def test_describe_counts_other_tokens_and_takes_the_majority_token(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """Nodes with another token or a foreign value count in other_tokens."""
+    hold("contested")
+    ours = token_on(nodes, 0, "contested")
+    with nodes[0].client() as client:
+        client.delete(key("contested"))
+        client.hset(key("contested"), "token", "leftover-of-another-attempt")
+        client.pexpire(key("contested"), 5000)
+    with nodes[1].client() as client:
+        client.delete(key("contested"))
+    nodes[1].clog(key("contested"))  # a plain string: WRONGTYPE for HGETALL
+    (held,) = held_locks()
+    assert held.nodes == (2, 3, 4)
+    assert held.other_tokens == 2
+    assert held.token_digest == sha1_prefix(ours)
+    assert not held.below_quorum
+
+    # Now the other token holds 3 nodes: it becomes the lock shown.
+    for node in nodes[1:3]:
+        with node.client() as client:
+            client.delete(key("contested"))
+            client.hset(key("contested"), "token", "leftover-of-another-attempt")
+            client.pexpire(key("contested"), 5000)
+    (held,) = held_locks()
+    assert held.nodes == (0, 1, 2)
+    assert held.token_digest == sha1_prefix(b"leftover-of-another-attempt")
+    assert held.other_tokens == 2
+    assert held.host is None and held.label == "" and held.acquired_at is None
+
+
+def test_describe_omits_a_key_holding_only_foreign_values(
+    nodes: NodeSet, redlock_settings: dict[str, Any]
+) -> None:
+    """A key with no token on any node (another writer's value) is no lock."""
+    nodes[0].clog(key("foreign"))
+    assert lock_resources() == ["foreign"]
+    assert describe(["foreign"]) == []
+
+
+def test_node_status_reports_every_node_with_version_latency_and_lock_keys(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """Every node is reachable, with its Redis version and lock-key count."""
+    hold("one")
+    hold("two")
+    nodes[3].clog(key("three"))
+    with nodes[0].client() as client:
+        version = client.info("server")["redis_version"]
+    statuses = node_status()
+    assert [s.index for s in statuses] == [0, 1, 2, 3, 4]
+    for status, node in zip(statuses, nodes, strict=True):
+        assert status.reachable and status.error is None
+        assert status.address == f"redis://127.0.0.1:{node.port}/0"
+        assert status.version == str(version)
+        assert status.latency_ms is not None and 0 < status.latency_ms < 500
+    assert [s.lock_keys for s in statuses] == [2, 2, 2, 3, 2]
+
+
+def test_node_status_reports_stopped_and_paused_nodes_in_bounded_time(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """A stopped and a paused node are unreachable; the listing still works."""
+    hold("survivor")
+    nodes[1].stop()
+    with nodes[2].paused():
+        started = time.monotonic()
+        statuses = node_status()
+        status_time = time.monotonic() - started
+        started = time.monotonic()
+        held = held_locks()
+        listing_time = time.monotonic() - started
+    assert [s.reachable for s in statuses] == [True, False, False, True, True]
+    assert statuses[1].error is not None and "ConnectionError" in statuses[1].error
+    assert statuses[2].error == "timed out"
+    for status in statuses[1:3]:
+        assert status.latency_ms is None and status.version is None
+        assert status.lock_keys is None
+    # Nodes are asked in parallel: one INSPECT_TIMEOUT, not one per bad node.
+    assert status_time < 2 * redlock_inspect.INSPECT_TIMEOUT + 0.5
+    assert listing_time < 4 * redlock_inspect.INSPECT_TIMEOUT + 0.5
+    assert [h.nodes for h in held] == [(0, 3, 4)]
+    # Once resumed, the node answers again: no stale reply is left on a connection.
+    statuses = node_status()
+    assert [s.reachable for s in statuses] == [True, False, True, True, True]
+    assert statuses[2].lock_keys == 1
+    assert [h.nodes for h in held_locks()] == [(0, 2, 3, 4)]
+
+
+def test_password_never_appears_in_statuses_listings_or_errors(
+    settings: Any,
+    make_nodes: Callable[..., NodeSet],
+    redlock_settings: dict[str, Any],
+) -> None:
+    """Nodes behind a password show masked addresses; a bad password is no leak."""
+    secured = make_nodes(3)
+    for node in secured:
+        with node.client() as client:
+            client.config_set("requirepass", PASSWORD)
+    urls = [f"redis://:{PASSWORD}@127.0.0.1:{n.port}/0" for n in secured]
+    urls[2] = f"redis://:wrong-{PASSWORD}@127.0.0.1:{secured[2].port}/0"
+    settings.REDLOCK = {**redlock_settings, "NODES": urls}
+    lock = Redlock("secured")
+    assert lock.acquire(blocking=False)
+    try:
+        statuses = node_status()
+        held = held_locks()
+        outcome = force_release("secured", "0" * 12)
+    finally:
+        with contextlib.suppress(LockError):
+            lock.release()
+    assert [s.reachable for s in statuses] == [True, True, False]
+    assert statuses[2].error is not None
+    assert "Authentication" in statuses[2].error or "AUTH" in statuses[2].error
+    assert [h.nodes for h in held] == [(0, 1)]
+    assert list(outcome.failed) == [f"redis://127.0.0.1:{secured[2].port}/0"]
+    text = repr(statuses) + repr(held) + repr(outcome)
+    assert PASSWORD not in text
+    assert all(
+        s.address == f"redis://127.0.0.1:{n.port}/0"
+        for s, n in zip(statuses, secured, strict=True)
+    )
+
+
+def test_force_release_deletes_only_the_token_that_was_shown(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """A stale digest releases nothing (changed); the shown one releases all."""
+    first = hold("shared")
+    stale = held_locks()[0].token_digest
+    first.release()
+    hold("shared")  # a new holder, with a new token
+    (held,) = held_locks()
+    assert held.token_digest != stale
+
+    outcome = force_release("shared", stale)
+    assert outcome == ForceRelease(released=(), failed={}, changed=True)
+    assert [h.token_digest for h in held_locks()] == [held.token_digest]
+
+    outcome = force_release("shared", held.token_digest.upper())
+    assert outcome == ForceRelease(released=(0, 1, 2, 3, 4), failed={}, changed=False)
+    assert held_locks() == []
+    for node in nodes:
+        with node.client() as client:
+            assert not client.exists(key("shared"))
+
+
+def test_force_release_leaves_other_tokens_and_foreign_values_alone(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """Only nodes holding the shown token lose the key; others keep theirs."""
+    hold("mixed")
+    with nodes[0].client() as client:
+        client.hset(key("mixed"), "token", "another-token")
+    with nodes[1].client() as client:
+        client.delete(key("mixed"))
+    nodes[1].clog(key("mixed"))
+    (held,) = held_locks()
+    outcome = force_release("mixed", held.token_digest)
+    assert outcome.released == (2, 3, 4) and not outcome.changed
+    with nodes[0].client() as client:
+        assert client.hget(key("mixed"), "token") == b"another-token"
+    with nodes[1].client() as client:
+        assert client.get(key("mixed")) == b"foreign-token"
+
+
+def test_force_release_reports_an_unreachable_node_without_raising(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """A stopped node is named in failed; the reachable ones are released."""
+    hold("partial")
+    (held,) = held_locks()
+    nodes[0].stop()
+    outcome = force_release("partial", held.token_digest)
+    assert outcome.released == (1, 2, 3, 4)
+    assert list(outcome.failed) == [f"redis://127.0.0.1:{nodes[0].port}/0"]
+    assert not outcome.changed
+
+
+@pytest.mark.parametrize(
+    ("resource", "digest"),
+    [
+        ("ok", ""),  # an empty prefix would match every token
+        ("ok", "abc"),
+        ("ok", "zz" * 6),
+        ("ok", "a" * 41),
+        ("", "a" * 12),
+        ("bad\nname", "a" * 12),
+        ("x" * 201, "a" * 12),
+    ],
+)
+def test_force_release_rejects_invalid_resources_and_digests(
+    nodes: NodeSet, hold: Callable[..., Redlock], resource: str, digest: str
+) -> None:
+    """Bad input raises ValueError before any node is touched."""
+    lock = hold("ok")
+    with pytest.raises(ValueError):
+        force_release(resource, digest)
+    assert lock.locked()
+
+
+def test_force_release_script_declares_its_key_and_never_deletes_blindly() -> None:
+    """The script compares the token's SHA1 before DEL, and touches KEYS only."""
+    source = FORCE_RELEASE_SCRIPT.source
+    assert "redis.sha1hex" in source and "KEYS[1]" in source
+    assert "KEYS[2]" not in source
+    assert source.index("sha1hex") < source.index("'del'")
+
+
+def test_ten_thousand_locks_list_and_page_quickly(
+    nodes: NodeSet, redlock_settings: dict[str, Any]
+) -> None:
+    """10,000 locks on 5 nodes: names by SCAN (never KEYS), a page of 100 fast."""
+    count = 10_000
+    meta = json.dumps(
+        {
+            "host": "bulk",
+            "pid": 1,
+            "holder": "MainThread",
+            "acquired_at": datetime.now(UTC).isoformat(),
+            "ttl": 60.0,
+            "label": "bulk",
+        }
+    )
+
+    def fill(index: int) -> None:
+        with nodes[index].client(socket_timeout=10) as client:
+            pipe = client.pipeline(transaction=False)
+            for i in range(count):
+                name = key(f"bulk:{i:05d}")
+                pipe.hset(name, mapping={"token": f"token-{i}", "meta": meta})
+                pipe.pexpire(name, 60_000)
+            pipe.execute()
+            client.config_resetstat()
+
+    threads = [threading.Thread(target=fill, args=(i,)) for i in range(len(nodes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    started = time.monotonic()
+    resources = lock_resources()
+    page = describe(resources[:100])
+    elapsed = time.monotonic() - started
+    print(f"\n10,000 locks: lock_resources() + describe(100) took {elapsed:.3f}s")
+
+    assert len(resources) == count
+    assert [h.resource for h in page] == [f"bulk:{i:05d}" for i in range(100)]
+    assert all(h.held_on == 5 and h.label == "bulk" for h in page)
+    assert elapsed < 5.0
+    for node in nodes:
+        with node.client() as client:
+            stats = client.info("commandstats")
+        assert "cmdstat_keys" not in stats
+        assert stats["cmdstat_scan"]["calls"] >= count // 1000
+
+
+def test_held_lock_rows_are_plain_frozen_values(
+    hold: Callable[..., Redlock],
+) -> None:
+    """Rows are frozen dataclasses: safe to cache or hand to templates."""
+    hold("frozen")
+    (held,) = held_locks()
+    assert isinstance(held, HeldLock)
+    with pytest.raises(AttributeError):
+        held.resource = "other"  # type: ignore[misc]
