@@ -73,16 +73,20 @@ def install() -> bool:
     extended = Counter("redlock_extended", "Successful lease extensions.")
     current = Gauge("redlock_held", "Locks currently held by this process.")
 
+    acquired_seconds = acquire_seconds.labels("acquired")
+    contended_seconds = acquire_seconds.labels("contended")
+    unavailable_seconds = acquire_seconds.labels("unavailable")
+
     def on_acquired(waited: float, **kwargs: Any) -> None:
-        acquire_seconds.labels("acquired").observe(waited)
+        acquired_seconds.observe(waited)
         current.inc()
 
     def on_contended(waited: float, **kwargs: Any) -> None:
-        acquire_seconds.labels("contended").observe(waited)
+        contended_seconds.observe(waited)
         contended.inc()
 
     def on_unavailable(waited: float, **kwargs: Any) -> None:
-        acquire_seconds.labels("unavailable").observe(waited)
+        unavailable_seconds.observe(waited)
         unavailable.inc()
 
     def on_released(held: float, **kwargs: Any) -> None:

@@ -11,7 +11,8 @@ Each sends ``lock`` (the ``Redlock``) and ``resource``, plus:
 - ``lock_lost``: ``held``, ``reason``; once per hold, when a watchdog gives up or a
   release finds the lease ran out.
 
-A signal without receivers costs a dictionary lookup, so they are always sent.
+The signals cache their receivers per sender, so sending one (with or without
+receivers) costs about a dictionary lookup: they are always sent.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ __all__ = [
     "lock_unavailable",
 ]
 
-lock_acquired = Signal()
-lock_contended = Signal()
-lock_unavailable = Signal()
-lock_extended = Signal()
-lock_released = Signal()
-lock_lost = Signal()
+lock_acquired = Signal(use_caching=True)
+lock_contended = Signal(use_caching=True)
+lock_unavailable = Signal(use_caching=True)
+lock_extended = Signal(use_caching=True)
+lock_released = Signal(use_caching=True)
+lock_lost = Signal(use_caching=True)
