@@ -43,11 +43,11 @@ import redis
 from redis.exceptions import ResponseError
 
 from . import nodes as node_pools
-from .conf import RedlockSettings, get_settings
+from . import sync
+from .conf import NodeSpec, RedlockSettings, get_settings
 from .lock import _check_resource
 from .protocol import quorum
 from .scripts import Script
-from .sync import describe as describe_error
 
 __all__ = [
     "DIGEST_LENGTH",
@@ -228,6 +228,11 @@ class _DeadlineError(Exception):
         return f"scan took longer than {INSPECT_DEADLINE:g}s"
 
 
+def _reason(exc: Exception) -> str:
+    """Say why a node failed, in a line with no credentials in it."""
+    return str(exc) if isinstance(exc, _DeadlineError) else sync.describe(exc)
+
+
 def _scan(client: redis.Redis, pattern: str) -> Iterable[bytes]:
     """Yield the keys matching ``pattern``, up to ``SCAN_CAP`` of them."""
     deadline = time.monotonic() + INSPECT_DEADLINE
@@ -301,7 +306,7 @@ def node_status() -> list[NodeStatus]:
                     None,
                     None,
                     None,
-                    describe_error(outcome),
+                    _reason(outcome),
                 )
             )
         else:
@@ -317,15 +322,20 @@ def node_status() -> list[NodeStatus]:
 # --- listing --------------------------------------------------------------------
 
 
-def lock_resources(search: str = "", *, descending: bool = False) -> list[str]:
+def lock_resources(
+    search: str = "",
+    *,
+    descending: bool = False,
+    failed: dict[str, str] | None = None,
+) -> list[str]:
     """Return the resources with a lock key on any node whose name contains ``search``.
 
     SCAN MATCH ``<prefix>:lock:*<search>*`` (glob characters in ``search``
     escaped, so it matches literally and case-sensitively) with COUNT on every
     node, never KEYS; the union, sorted (``descending`` reverses it). Only names
     are read, so this stays cheap with many locks; ``describe()`` the page shown.
-    A node that fails is skipped (and logged); at most ``SCAN_CAP`` keys are read
-    per node.
+    A node that fails is skipped (and logged, and recorded as address -> reason in
+    ``failed`` when a dict is given); at most ``SCAN_CAP`` keys are read per node.
     """
     conf = get_settings()
     pattern = _lock_pattern(conf, search)
@@ -337,11 +347,7 @@ def lock_resources(search: str = "", *, descending: bool = False) -> list[str]:
     resources: set[str] = set()
     for node, outcome in zip(conf.nodes, _on_every_node(conf, scan), strict=True):
         if isinstance(outcome, Exception):
-            logger.info(
-                "redlock inspection skipped %s: %s",
-                node.display,
-                describe_error(outcome),
-            )
+            _skipped(node, outcome, failed)
             continue
         if len(outcome) >= SCAN_CAP:
             logger.warning(
@@ -360,6 +366,13 @@ def lock_resources(search: str = "", *, descending: bool = False) -> list[str]:
     return sorted(resources, reverse=descending)
 
 
+def _skipped(node: NodeSpec, exc: Exception, failed: dict[str, str] | None) -> None:
+    reason = _reason(exc)
+    logger.info("redlock inspection skipped %s: %s", node.display, reason)
+    if failed is not None:
+        failed[node.display] = reason
+
+
 @dataclass
 class _Seen:
     """What one node holds under one resource's key."""
@@ -369,12 +382,15 @@ class _Seen:
     pttl: int
 
 
-def describe(resources: Sequence[str]) -> list[HeldLock]:
+def describe(
+    resources: Sequence[str], *, failed: dict[str, str] | None = None
+) -> list[HeldLock]:
     """Return the held locks of ``resources``, in the order given.
 
     One pipeline per node (HGETALL and PTTL for each resource), all nodes at
     once. A resource that no node holds with a token (gone meanwhile, or only a
-    value of another kind) is omitted; a failed node is skipped (and logged).
+    value of another kind) is omitted; a failed node is skipped (and logged, and
+    recorded as address -> reason in ``failed`` when a dict is given).
     """
     conf = get_settings()
     resources = list(dict.fromkeys(resources))
@@ -397,11 +413,7 @@ def describe(resources: Sequence[str]) -> list[HeldLock]:
     foreign = [0] * len(resources)
     for node, outcome in zip(conf.nodes, per_node, strict=True):
         if isinstance(outcome, Exception):
-            logger.info(
-                "redlock inspection skipped %s: %s",
-                node.display,
-                describe_error(outcome),
-            )
+            _skipped(node, outcome, failed)
             continue
         for position in range(len(resources)):
             fields, pttl = outcome[2 * position], outcome[2 * position + 1]
@@ -423,9 +435,11 @@ def describe(resources: Sequence[str]) -> list[HeldLock]:
     return held
 
 
-def held_locks(search: str = "") -> list[HeldLock]:
+def held_locks(
+    search: str = "", *, failed: dict[str, str] | None = None
+) -> list[HeldLock]:
     """Return every held lock whose resource contains ``search``; for small sets."""
-    return describe(lock_resources(search))
+    return describe(lock_resources(search, failed=failed), failed=failed)
 
 
 def _merge(
@@ -558,7 +572,7 @@ def force_release(resource: str, token_digest: str) -> ForceRelease:
     failed: dict[str, str] = {}
     for node, outcome in zip(conf.nodes, _on_every_node(conf, run), strict=True):
         if isinstance(outcome, Exception):
-            failed[node.display] = describe_error(outcome)
+            failed[node.display] = _reason(outcome)
         elif outcome:
             released.append(node.index)
     return ForceRelease(

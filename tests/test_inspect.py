@@ -413,6 +413,43 @@ def test_ten_thousand_locks_list_and_page_quickly(
         assert stats["cmdstat_scan"]["calls"] >= count // 1000
 
 
+def test_scans_stop_at_the_key_cap_and_the_deadline(
+    nodes: NodeSet,
+    redlock_settings: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SCAN_CAP bounds the keys read per node; INSPECT_DEADLINE bounds a walk."""
+    with nodes[0].client() as client:
+        pipe = client.pipeline(transaction=False)
+        for i in range(3000):
+            pipe.hset(key(f"many:{i}"), "token", "t")
+        pipe.execute()
+    monkeypatch.setattr(redlock_inspect, "SCAN_CAP", 1500)
+    assert node_status()[0].lock_keys == 1500
+    assert len(lock_resources()) == 1500
+
+    monkeypatch.setattr(redlock_inspect, "SCAN_CAP", 100_000)
+    monkeypatch.setattr(redlock_inspect, "INSPECT_DEADLINE", 0.0)
+    failed: dict[str, str] = {}
+    assert lock_resources(failed=failed) == []
+    assert failed == {nodes[0].url: "scan took longer than 0s"}
+    (first, *others) = node_status()
+    assert first.reachable and first.lock_keys is None
+    assert [status.lock_keys for status in others] == [0, 0, 0, 0]
+
+
+def test_listing_records_the_nodes_it_skipped(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """``failed=`` collects each node a listing skipped, with the reason."""
+    hold("noted")
+    nodes[3].stop()
+    failed: dict[str, str] = {}
+    assert [h.nodes for h in held_locks(failed=failed)] == [(0, 1, 2, 4)]
+    assert list(failed) == [nodes[3].url]
+    assert failed[nodes[3].url].startswith("ConnectionError")
+
+
 def test_held_lock_rows_are_plain_frozen_values(
     hold: Callable[..., Redlock],
 ) -> None:
