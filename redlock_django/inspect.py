@@ -45,7 +45,7 @@ from redis.exceptions import ResponseError
 from . import nodes as node_pools
 from . import sync
 from .conf import NodeSpec, RedlockSettings, get_settings
-from .lock import _check_resource
+from .lock import check_resource
 from .protocol import quorum
 from .scripts import Script
 
@@ -554,7 +554,7 @@ def force_release(resource: str, token_digest: str) -> ForceRelease:
     12 to 40 hex digits; node errors are reported in ``failed``, never raised.
     The caller logs who asked for it.
     """
-    _check_resource(resource)
+    check_resource(resource)
     digest = token_digest.lower() if isinstance(token_digest, str) else ""
     if not _DIGEST.fullmatch(digest):
         raise ValueError(

@@ -49,7 +49,7 @@ from .protocol import (
     watchdog_flow,
 )
 
-__all__ = ["Redlock"]
+__all__ = ["Redlock", "check_resource"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,12 @@ _clock = time.monotonic
 _jitter = random.random
 
 
-def _check_resource(resource: object) -> str:
+def check_resource(resource: object) -> str:
+    """Return ``resource`` if it is a valid lock name, else raise ``ValueError``.
+
+    A name is a non-empty string of at most ``MAX_RESOURCE_LENGTH`` characters
+    without control characters (they would break logs, pages and the protocol).
+    """
     if not isinstance(resource, str) or not resource:
         raise ValueError(f"resource must be a non-empty string, not {resource!r}")
     if len(resource) > MAX_RESOURCE_LENGTH:
@@ -347,7 +352,7 @@ class Redlock:
         node_timeout: float | None = None,
         drift_factor: float | None = None,
     ) -> None:
-        self.resource = _check_resource(resource)
+        self.resource = check_resource(resource)
         _check_seconds("ttl", ttl, allow_none=True)
         _check_seconds("max_hold", max_hold, allow_none=True)
         _check_seconds("node_timeout", node_timeout, allow_none=True)

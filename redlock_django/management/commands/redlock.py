@@ -21,7 +21,7 @@ from django.core.management.base import (
 
 from redlock_django import inspect
 from redlock_django.conf import get_settings
-from redlock_django.lock import _check_resource
+from redlock_django.lock import check_resource
 from redlock_django.protocol import quorum
 
 logger = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class Command(BaseCommand):
 
     def handle_release(self, *, resource: str, yes: bool, **options: Any) -> None:
         try:
-            _check_resource(resource)
+            check_resource(resource)
         except ValueError as exc:
             raise CommandError(str(exc), returncode=EXIT_REFUSED) from None
         failed: dict[str, str] = {}
