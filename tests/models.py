@@ -10,3 +10,54 @@ class Counter(models.Model):
 
     name = models.CharField(max_length=100, unique=True)
     value = models.IntegerField(default=0)
+
+
+# Row locks and fenced writes (redlock_django.orm; tests/test_orm.py).
+
+import uuid  # noqa: E402
+
+from redlock_django.orm import FencedQuerySet, FencingTokenField  # noqa: E402
+
+
+class FencedItem(models.Model):
+    """A stock level written only by fenced updates."""
+
+    name = models.CharField(max_length=100)
+    stock = models.IntegerField(default=0)
+    fence = FencingTokenField()
+
+    objects = FencedQuerySet.as_manager()
+
+
+class FencedItemProxy(FencedItem):
+    """Another class over FencedItem's rows: it must share their locks."""
+
+    class Meta:
+        proxy = True
+
+
+class SpecialItem(FencedItem):
+    """A multi-table child: its rows are FencedItem rows too."""
+
+    note = models.CharField(max_length=100, default="")
+
+
+class CodedItem(models.Model):
+    """A row keyed by a string."""
+
+    code = models.CharField(max_length=150, primary_key=True)
+
+
+class UUIDItem(models.Model):
+    """A row keyed by a UUID."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4)
+
+
+class TwoFenceItem(models.Model):
+    """Two values fenced by two different locks."""
+
+    price = models.IntegerField(default=0)
+    stock = models.IntegerField(default=0)
+    price_fence = FencingTokenField()
+    stock_fence = FencingTokenField()

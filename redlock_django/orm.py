@@ -1,0 +1,523 @@
+"""Locks named after model rows, and writes fenced by the lock's token.
+
+``model_lock(product)`` is a ``Redlock`` whose resource is derived from the row:
+``"shop.product:42"``, so every code path that locks a row agrees on its name.
+
+``fenced_update(product, lock, stock=F("stock") - 1)`` is the database half of
+fencing (Kleppmann): one ``UPDATE ... SET stock = ..., fence = :token WHERE pk = 42
+AND fence < :token``. A holder whose lease ran out while it was paused, and whose
+lock a newer holder has taken since, carries an older token: its write matches no
+row, and the newer holder's data stays. The function reports it (``False``, or
+``StaleFencingTokenError`` with ``raise_on_stale=True``). No local validity check
+is made first: the pause can fall between such a check and the write, and a
+holder whose lease ran out while nobody else took the lock still writes safely.
+The model keeps the token of the last write in a ``FencingTokenField``::
+
+    class Product(models.Model):
+        stock = models.IntegerField()
+        fence = FencingTokenField()
+
+    with model_lock(product, fencing=True) as lock:
+        product.refresh_from_db()
+        if not fenced_update(product, lock, stock=product.stock - 1):
+            ...  # refused: a newer holder wrote this row
+
+Tokens are ordered only within one resource: every fenced writer of a row must
+take its token from locks on the same resource (``model_lock`` of that row, or
+one coarser lock used everywhere). Each token writes a row at most once, so put
+every field of one change in one call; a replay of the same write is refused.
+
+Errors::
+
+    MissingFencingTokenError (ValueError)   the lock has no fencing token: made
+                                            without fencing=True, or not held by
+                                            the current owner
+    StaleFencingTokenError (LockError)      raise_on_stale=True and the row holds
+                                            a token equal to or newer than the lock's
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+from django.core import checks
+from django.core.exceptions import FieldError, ValidationError
+from django.db import models, router
+from django.db.models.expressions import Combinable
+
+from .exceptions import LockError
+from .lock import Redlock
+
+__all__ = [
+    "E101",
+    "E102",
+    "MAX_PK_LENGTH",
+    "FencedQuerySet",
+    "FencingTokenField",
+    "MissingFencingTokenError",
+    "StaleFencingTokenError",
+    "afenced_update",
+    "fenced_update",
+    "model_lock",
+    "model_resource",
+]
+
+_M = TypeVar("_M", bound=models.Model)
+
+#: Longest primary key, once rendered, that ``model_resource`` accepts.
+MAX_PK_LENGTH = 100
+
+#: A FencingTokenField with null=True: NULL < token is never true, so every
+#: fenced write of such a row would be refused.
+E101 = "redlock.E101"
+#: A FencingTokenField whose default is not an integer <= 0: tokens start at 1,
+#: so writes would be refused until the token passed the default.
+E102 = "redlock.E102"
+
+
+class MissingFencingTokenError(ValueError):
+    """A fenced write was given a lock that has no fencing token for this owner.
+
+    A ``ValueError`` (a bad argument, a bug to fix), deliberately not a
+    ``LockError``: code that turns lock failures into 423/503 responses must not
+    hide it.
+    """
+
+    def __init__(self, message: str, *, resource: str) -> None:
+        super().__init__(message)
+        self.resource = resource
+
+
+class StaleFencingTokenError(LockError):
+    """A fenced write was refused: the row holds the lock's token or a newer one.
+
+    The lock's lease ran out while held and a newer holder wrote the row (or this
+    token already wrote it once). ``token`` is the lock's, ``stored_token`` the
+    row's.
+    """
+
+    def __init__(
+        self, message: str, *, resource: str, token: int, stored_token: int
+    ) -> None:
+        super().__init__(message, resource=resource)
+        self.token = token
+        self.stored_token = stored_token
+
+
+if TYPE_CHECKING:
+    _BigIntegerField = models.BigIntegerField[int | Combinable, int]
+else:  # Django's fields are not subscriptable at runtime.
+    _BigIntegerField = models.BigIntegerField
+
+
+class FencingTokenField(_BigIntegerField):
+    """The fencing token of the last fenced write of the row (0: never written).
+
+    A non-null ``BIGINT`` defaulting to 0, not editable in forms; written only
+    by ``fenced_update``.
+    """
+
+    description = "Fencing token of the last fenced write"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("default", 0)
+        kwargs.setdefault("editable", False)
+        super().__init__(*args, **kwargs)
+
+    def deconstruct(self) -> Any:
+        """Omit the arguments that are this field's defaults, for clean migrations."""
+        name, path, args, kwargs = super().deconstruct()
+        if kwargs.get("default") == 0 and type(kwargs["default"]) is int:
+            del kwargs["default"]
+        if kwargs.get("editable") is False:
+            del kwargs["editable"]
+        else:
+            kwargs["editable"] = True
+        return name, path, args, kwargs
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        """Flag settings that would make every fenced write of a row be refused."""
+        errors = super().check(**kwargs)
+        if self.null:
+            errors.append(
+                checks.Error(
+                    "FencingTokenField cannot be null: a NULL token is never older "
+                    "than the lock's, so every fenced write would be refused.",
+                    hint="Remove null=True (the field defaults to 0).",
+                    obj=self,
+                    id=E101,
+                )
+            )
+        default = self.default
+        if self.has_default() and not callable(default) and not _below_tokens(default):
+            errors.append(
+                checks.Error(
+                    f"FencingTokenField default must be an integer <= 0, not "
+                    f"{default!r}: tokens start at 1, so fenced writes would be "
+                    f"refused until the lock's token passed the default.",
+                    hint="Remove the default (it is 0).",
+                    obj=self,
+                    id=E102,
+                )
+            )
+        return errors
+
+
+def _below_tokens(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value <= 0
+
+
+# Row locks.
+
+
+def _model_of(instance_or_model: models.Model | type[models.Model]) -> type[Any]:
+    if isinstance(instance_or_model, type) and issubclass(
+        instance_or_model, models.Model
+    ):
+        return instance_or_model
+    if isinstance(instance_or_model, models.Model):
+        return type(instance_or_model)
+    raise TypeError(
+        f"expected a model instance or a model class, not {instance_or_model!r}"
+    )
+
+
+def _root_model(model: type[Any]) -> type[Any]:
+    """Return the model whose table holds the row: proxies and multi-table
+    children share their base row's lock."""
+    model = model._meta.concrete_model
+    while True:
+        remote = model._meta.pk.remote_field
+        if remote is None or not getattr(remote, "parent_link", False):
+            return model
+        model = remote.model._meta.concrete_model
+
+
+def _render_pk(model: type[Any], pk: object) -> str:
+    field = model._meta.pk
+    if isinstance(pk, bool) or pk is None:
+        raise ValueError(f"{pk!r} is not a primary key of {model._meta.label}")
+    if isinstance(field, models.CompositePrimaryKey):
+        raise TypeError(
+            f"{model._meta.label} has a composite primary key; name the lock "
+            f"yourself with Redlock(...)"
+        )
+    try:
+        # What filter(pk=...) would compare: 42 and "42" name the same row.
+        value = field.to_python(pk)
+    except ValidationError:
+        raise ValueError(
+            f"{pk!r} is not a primary key of {model._meta.label}"
+        ) from None
+    # int(4.5) == 4: never round a key into another row's.
+    if value is None or (isinstance(value, int) and not isinstance(pk, int | str)):
+        raise ValueError(f"{pk!r} is not a primary key of {model._meta.label}")
+    if isinstance(value, int | uuid.UUID):
+        text = str(value)
+    elif isinstance(value, str):
+        if not value:
+            raise ValueError(
+                f"an empty primary key cannot name a row lock of {model._meta.label}"
+            )
+        if not value.isprintable():
+            raise ValueError(
+                f"primary key {value!r} of {model._meta.label} contains control or "
+                f"unprintable characters"
+            )
+        text = value
+    else:
+        raise TypeError(
+            f"{model._meta.label} primary keys of type {type(value).__name__} "
+            f"cannot name a lock; only integer, string and UUID keys can (name "
+            f"the lock yourself with Redlock(...))"
+        )
+    if len(text) > MAX_PK_LENGTH:
+        raise ValueError(
+            f"primary key of {model._meta.label} is {len(text)} characters long; "
+            f"a row lock allows {MAX_PK_LENGTH}"
+        )
+    return text
+
+
+def model_resource(
+    instance_or_model: models.Model | type[models.Model], pk: object = None
+) -> str:
+    """Return the lock resource of a row: ``"<app_label>.<model_name>:<pk>"``.
+
+    Pass a saved instance, or a model class and ``pk``. The key is normalised by
+    the primary key field (``42`` and ``"42"`` name the same row of an integer
+    key), and proxies and multi-table children name their base model's row, so
+    every way of naming one row gives one resource. The key is everything after
+    the first colon, so keys containing colons stay unambiguous. Raises
+    ``ValueError`` for an unsaved instance and for keys that are empty, contain
+    unprintable characters, are longer than ``MAX_PK_LENGTH`` or are not valid
+    for the field; ``TypeError`` for key types other than integers, strings and
+    UUIDs.
+    """
+    model = _model_of(instance_or_model)
+    if isinstance(instance_or_model, models.Model):
+        if pk is not None:
+            raise TypeError("pass pk only with a model class, not with an instance")
+        pk = instance_or_model.pk
+        if pk is None:
+            raise ValueError(
+                f"cannot name a lock for an unsaved {model._meta.label} (no pk)"
+            )
+    elif pk is None:
+        raise TypeError(f"model_resource({model.__name__}) needs a pk")
+    root = _root_model(model)
+    return f"{root._meta.label_lower}:{_render_pk(root, pk)}"
+
+
+def model_lock(
+    instance_or_model: models.Model | type[models.Model],
+    pk: object = None,
+    **options: Any,
+) -> Redlock:
+    """Return a ``Redlock`` on one row, named by ``model_resource()``.
+
+    ``model_lock(product)`` or ``model_lock(Product, 42)``; ``options`` are
+    ``Redlock``'s (``ttl``, ``fencing``, ``auto_extend``, ...). Use it with
+    ``with`` or ``async with``. No query is made.
+    """
+    return Redlock(model_resource(instance_or_model, pk), **options)
+
+
+# Fenced writes.
+
+
+def _token(lock: Redlock) -> int:
+    """Return the current owner's fencing token, or explain why there is none."""
+    if not isinstance(lock, Redlock):
+        raise TypeError(f"expected a Redlock, not {lock!r}")
+    if not lock.fencing:
+        raise MissingFencingTokenError(
+            f"lock {lock.resource!r} has no fencing token: create it with "
+            f"fencing=True (Redlock(..., fencing=True) or "
+            f"model_lock(..., fencing=True))",
+            resource=lock.resource,
+        )
+    token = lock.fencing_token
+    if token is None:
+        raise MissingFencingTokenError(
+            f"lock {lock.resource!r} is not held by the current thread or task, so "
+            f"it has no fencing token: write inside 'with lock:' / 'async with "
+            f"lock:', in the owner that acquired it",
+            resource=lock.resource,
+        )
+    return token
+
+
+def _fence_field(model: type[Any], field: str | None) -> str:
+    """Return the attname of the model's fencing token field."""
+    opts = model._meta
+    if field is None:
+        found = [f for f in opts.concrete_fields if isinstance(f, FencingTokenField)]
+        if not found:
+            raise FieldError(
+                f"{opts.label} has no FencingTokenField; add one "
+                f"(fence = FencingTokenField()) or pass field="
+            )
+        if len(found) > 1:
+            names = ", ".join(f.name for f in found)
+            raise FieldError(
+                f"{opts.label} has several FencingTokenFields ({names}); pass "
+                f"field= to say which one this lock fences"
+            )
+        return str(found[0].attname)
+    target = opts.get_field(field)
+    if not isinstance(target, models.IntegerField) or not target.concrete:
+        raise FieldError(
+            f"{opts.label}.{field} cannot hold fencing tokens: use a "
+            f"FencingTokenField (or another integer field)"
+        )
+    return str(target.attname)
+
+
+def _prepare(
+    model: type[Any], lock: Redlock, field: str | None, updates: dict[str, Any]
+) -> tuple[int, str, dict[str, Any]]:
+    token = _token(lock)
+    attname = _fence_field(model, field)
+    name = model._meta.get_field(attname).name
+    if name in updates or attname in updates:
+        raise FieldError(
+            f"{model._meta.label}.{name} is written by fenced_update itself; "
+            f"remove it from the updates"
+        )
+    return token, attname, {**updates, attname: token}
+
+
+def _row_queryset(instance: models.Model) -> models.QuerySet[Any]:
+    if instance.pk is None:
+        raise ValueError(f"cannot update an unsaved {instance._meta.label} (no pk)")
+    model = type(instance)
+    db = instance._state.db or router.db_for_write(model, instance=instance)
+    # The base manager, as Model.save() uses: a default manager's filter must
+    # not hide the row.
+    return model._base_manager.using(db).filter(pk=instance.pk)
+
+
+def _after_write(instance: models.Model, changes: dict[str, Any]) -> None:
+    """Mirror a successful write on the instance, as far as it can be known."""
+    for key, value in changes.items():
+        field = instance._meta.get_field(key)
+        if hasattr(value, "resolve_expression"):
+            # Computed by the database: defer it, so the next access reloads it.
+            instance.__dict__.pop(field.attname, None)  # type: ignore[union-attr]
+            if field.is_relation and field.is_cached(instance):  # type: ignore[union-attr]
+                field.delete_cached_value(instance)  # type: ignore[union-attr]
+        else:
+            setattr(instance, key, value)
+
+
+def _refusal(
+    instance: models.Model, lock: Redlock, token: int, stored: int | None
+) -> StaleFencingTokenError:
+    if stored is None:
+        raise type(instance).DoesNotExist(
+            f"{instance._meta.label} with pk {instance.pk!r} does not exist"
+        )
+    return StaleFencingTokenError(
+        f"write to {instance._meta.label_lower}:{instance.pk} refused: its fencing "
+        f"token is {stored}, lock {lock.resource!r} holds {token} "
+        f"(a newer holder wrote it, or this token already did)",
+        resource=lock.resource,
+        token=token,
+        stored_token=stored,
+    )
+
+
+@overload
+def fenced_update(
+    target: models.QuerySet[Any],
+    lock: Redlock,
+    *,
+    field: str | None = None,
+    **updates: Any,
+) -> int: ...
+@overload
+def fenced_update(
+    target: models.Model,
+    lock: Redlock,
+    *,
+    field: str | None = None,
+    raise_on_stale: bool = False,
+    **updates: Any,
+) -> bool: ...
+def fenced_update(
+    target: models.Model | models.QuerySet[Any],
+    lock: Redlock,
+    *,
+    field: str | None = None,
+    raise_on_stale: bool = False,
+    **updates: Any,
+) -> bool | int:
+    """Write ``updates`` only where the stored fencing token is older than ``lock``'s.
+
+    One ``UPDATE`` sets the fields (values or ``F()`` expressions) and stores the
+    token, ``WHERE <field> < token``. For a model instance, return True when the
+    row was written (the instance then shows the new values and token; ``F()``
+    fields are reloaded on next access) and False when it was refused because
+    the row holds an equal or newer token; ``raise_on_stale=True`` raises
+    ``StaleFencingTokenError`` instead, and a deleted row raises the model's
+    ``DoesNotExist``. For a queryset, return how many rows were written, as
+    ``update()`` does: rows holding an equal or newer token are left alone.
+
+    ``field`` names the token field when the model has several. Raises
+    ``MissingFencingTokenError`` when the lock was made without ``fencing=True``
+    or is not held by the current thread or task. Whether the lease ran out is
+    not checked: the database decides, by the token.
+    """
+    if isinstance(target, models.QuerySet):
+        if raise_on_stale:
+            raise TypeError(_NO_RAISE_FOR_QUERYSETS)
+        token, attname, changes = _prepare(target.model, lock, field, updates)
+        return target.filter(**{f"{attname}__lt": token}).update(**changes)
+    if not isinstance(target, models.Model):
+        raise TypeError(f"expected a model instance or a queryset, not {target!r}")
+    token, attname, changes = _prepare(type(target), lock, field, updates)
+    rows = _row_queryset(target)
+    if rows.filter(**{f"{attname}__lt": token}).update(**changes):
+        _after_write(target, changes)
+        return True
+    error = _refusal(target, lock, token, rows.values_list(attname, flat=True).first())
+    if raise_on_stale:
+        raise error
+    return False
+
+
+@overload
+async def afenced_update(
+    target: models.QuerySet[Any],
+    lock: Redlock,
+    *,
+    field: str | None = None,
+    **updates: Any,
+) -> int: ...
+@overload
+async def afenced_update(
+    target: models.Model,
+    lock: Redlock,
+    *,
+    field: str | None = None,
+    raise_on_stale: bool = False,
+    **updates: Any,
+) -> bool: ...
+async def afenced_update(
+    target: models.Model | models.QuerySet[Any],
+    lock: Redlock,
+    *,
+    field: str | None = None,
+    raise_on_stale: bool = False,
+    **updates: Any,
+) -> bool | int:
+    """Do ``fenced_update()`` from a coroutine, in the task that holds ``lock``."""
+    if isinstance(target, models.QuerySet):
+        if raise_on_stale:
+            raise TypeError(_NO_RAISE_FOR_QUERYSETS)
+        token, attname, changes = _prepare(target.model, lock, field, updates)
+        return await target.filter(**{f"{attname}__lt": token}).aupdate(**changes)
+    if not isinstance(target, models.Model):
+        raise TypeError(f"expected a model instance or a queryset, not {target!r}")
+    # The token is the current task's: read it here, not in a worker thread.
+    token, attname, changes = _prepare(type(target), lock, field, updates)
+    rows = _row_queryset(target)
+    if await rows.filter(**{f"{attname}__lt": token}).aupdate(**changes):
+        _after_write(target, changes)
+        return True
+    stored = await rows.values_list(attname, flat=True).afirst()
+    error = _refusal(target, lock, token, stored)
+    if raise_on_stale:
+        raise error
+    return False
+
+
+_NO_RAISE_FOR_QUERYSETS = (
+    "raise_on_stale is for a single row (a model instance); a queryset write "
+    "returns how many rows were written"
+)
+
+
+class FencedQuerySet(models.QuerySet[_M]):
+    """A QuerySet with ``fenced_update()``: ``objects = FencedQuerySet.as_manager()``.
+
+    ``Product.objects.filter(pk=42).fenced_update(lock, stock=F("stock") - 1)``
+    returns how many rows were written.
+    """
+
+    def fenced_update(
+        self, lock: Redlock, *, field: str | None = None, **updates: Any
+    ) -> int:
+        """Update the rows whose token is older than ``lock``'s; return how many.
+
+        See ``redlock_django.orm.fenced_update``.
+        """
+        return fenced_update(self, lock, field=field, **updates)
+
+    async def afenced_update(
+        self, lock: Redlock, *, field: str | None = None, **updates: Any
+    ) -> int:
+        """Do ``fenced_update()`` from a coroutine."""
+        return await afenced_update(self, lock, field=field, **updates)

@@ -1,0 +1,672 @@
+"""Row locks (``model_lock``) and fenced writes (``fenced_update``) on real nodes.
+
+The pause scenario (Kleppmann) is run with real locks: holder A takes the row's
+lock, its lease runs out while it is "paused", holder B takes the lock with a
+newer token and writes; then A resumes and writes what it computed before the
+pause. The fenced write is refused and B's data stays; the negative control does
+the same with a plain ``update()`` and shows A overwriting B. Two owners are two
+threads (or two tasks), each with its own database connection, so those tests use
+transactional databases. Run with ``DATABASE_URL=postgres://...`` too: the
+concurrent-transaction test needs PostgreSQL's row locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.core.exceptions import FieldError
+from django.db import connection, connections, models, transaction
+from django.db.migrations.writer import MigrationWriter
+from django.db.models import F
+from django.test.utils import isolate_apps
+
+from redlock_django import LockError, LockLostError, Redlock
+from redlock_django.orm import (
+    E101,
+    E102,
+    MAX_PK_LENGTH,
+    FencingTokenField,
+    MissingFencingTokenError,
+    StaleFencingTokenError,
+    afenced_update,
+    fenced_update,
+    model_lock,
+    model_resource,
+)
+from tests.models import (
+    CodedItem,
+    Counter,
+    FencedItem,
+    FencedItemProxy,
+    SpecialItem,
+    TwoFenceItem,
+    UUIDItem,
+)
+
+#: The lease of a holder that gets "paused" past it.
+PAUSE_TTL = 0.3
+#: How long that holder stays paused: past its lease, with room for the keys to go.
+PAUSE = PAUSE_TTL + 0.1
+
+pytestmark = pytest.mark.usefixtures("redlock_settings")
+
+
+class Owner:
+    """Another thread: the locks it takes belong to it, and it has its own
+    database connection (closed when the owner is)."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        return self._thread.submit(fn, *args)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.submit(fn, *args).result(timeout=10)
+
+    def close(self) -> None:
+        self._thread.submit(connections.close_all).result(timeout=10)
+        self._thread.shutdown(wait=True)
+
+
+@pytest.fixture
+def other() -> Iterator[Owner]:
+    owner = Owner()
+    try:
+        yield owner
+    finally:
+        owner.close()
+
+
+@pytest.fixture
+async def async_db() -> AsyncIterator[None]:
+    """Close the connection the async ORM opened in asgiref's worker thread."""
+    yield
+    await sync_to_async(connections.close_all)()
+
+
+# Resource names: no Redis, no database.
+
+
+def test_model_resource_is_app_label_model_name_and_pk() -> None:
+    """An instance and its class with its pk name the same row resource."""
+    assert model_resource(FencedItem(pk=42)) == "tests.fenceditem:42"
+    assert model_resource(FencedItem, 42) == "tests.fenceditem:42"
+    assert model_resource(FencedItem, 43) != model_resource(FencedItem, 42)
+    assert model_resource(Counter, 42) == "tests.counter:42"
+
+
+def test_model_resource_normalises_the_pk_as_the_database_compares_it() -> None:
+    """``42`` and ``"42"`` are one row of an integer key; a UUID in any spelling
+    is one row; a string key is taken as is."""
+    assert model_resource(FencedItem, "42") == model_resource(FencedItem, 42)
+    key = uuid.UUID("0f2e0c5e-3b7a-4c1d-9a47-21c3d5e6f7a8")
+    expected = f"tests.uuiditem:{key}"
+    assert model_resource(UUIDItem, key) == expected
+    assert model_resource(UUIDItem, str(key).upper()) == expected
+    assert model_resource(UUIDItem, key.hex) == expected
+    assert model_resource(UUIDItem(pk=key)) == expected
+    assert model_resource(CodedItem, "sku:a/b") == "tests.codeditem:sku:a/b"
+    assert model_resource(CodedItem, 42) == "tests.codeditem:42"
+
+
+def test_proxy_and_multi_table_child_lock_their_base_row() -> None:
+    """Every class over one table row gives that row's resource, so they exclude
+    each other."""
+    assert model_resource(FencedItemProxy(pk=7)) == "tests.fenceditem:7"
+    assert model_resource(SpecialItem, 7) == "tests.fenceditem:7"
+    assert model_resource(SpecialItem(pk=7)) == "tests.fenceditem:7"
+
+
+@pytest.mark.parametrize(
+    ("model", "pk", "error"),
+    [
+        (FencedItem, True, ValueError),
+        (FencedItem, 4.5, ValueError),
+        (FencedItem, 4.0, ValueError),
+        (FencedItem, "4.5", ValueError),
+        (FencedItem, "42; DROP", ValueError),
+        (FencedItem, "*", ValueError),
+        (UUIDItem, "not-a-uuid", ValueError),
+        (CodedItem, "", ValueError),
+        (CodedItem, "a\nb", ValueError),
+        (CodedItem, "a\x00b", ValueError),
+        (CodedItem, "a\x85b", ValueError),
+        (CodedItem, "a\u2028b", ValueError),
+        (CodedItem, "a\ud800b", ValueError),
+        (CodedItem, "x" * (MAX_PK_LENGTH + 1), ValueError),
+        (FencedItem, None, TypeError),
+    ],
+)
+def test_model_resource_rejects_bad_pks(
+    model: type[models.Model], pk: object, error: type[Exception]
+) -> None:
+    """Keys that are not the field's, empty, with control characters or too long
+    never become a resource."""
+    with pytest.raises(error):
+        model_resource(model, pk)
+
+
+def test_model_resource_accepts_the_longest_allowed_pk() -> None:
+    """The length cap is exactly ``MAX_PK_LENGTH`` (control for the rejection)."""
+    pk = "x" * MAX_PK_LENGTH
+    assert model_resource(CodedItem, pk) == f"tests.codeditem:{pk}"
+
+
+def test_model_resource_rejects_unsaved_instances_and_bad_arguments() -> None:
+    """An unsaved row has no name; pk goes with a class, not an instance."""
+    with pytest.raises(ValueError, match="unsaved"):
+        model_resource(FencedItem())
+    with pytest.raises(TypeError, match="only with a model class"):
+        model_resource(FencedItem(pk=1), 2)
+    with pytest.raises(TypeError, match="model instance or a model class"):
+        model_resource("tests.fenceditem", 1)  # type: ignore[arg-type]
+
+
+def test_model_lock_is_a_redlock_on_the_row_with_its_options() -> None:
+    """model_lock passes Redlock's options through."""
+    lock = model_lock(FencedItem(pk=3), fencing=True, ttl=5.0, label="restock")
+    assert isinstance(lock, Redlock)
+    assert lock.resource == "tests.fenceditem:3"
+    assert (lock.fencing, lock.ttl, lock.label) == (True, 5.0, "restock")
+
+
+# Row locks exclude other owners.
+
+
+def test_model_lock_excludes_another_thread_from_the_same_row(other: Owner) -> None:
+    """While this thread holds row 5, another cannot take it by instance or by
+    class and pk; row 6 stays free."""
+    with model_lock(FencedItem(pk=5)):
+        assert not other.run(lambda: model_lock(FencedItem, 5).acquire(blocking=False))
+        assert not other.run(
+            lambda: model_lock(FencedItemProxy, "5").acquire(blocking=False)
+        )
+        six = model_lock(FencedItem, 6)
+        assert other.run(lambda: six.acquire(blocking=False))
+        other.run(six.release)
+    five = model_lock(FencedItem, 5)
+    assert other.run(lambda: five.acquire(blocking=False))
+    other.run(five.release)
+
+
+async def test_model_lock_excludes_another_task_from_the_same_row() -> None:
+    """``async with model_lock(...)`` holds the row against other tasks."""
+    entered = asyncio.Event()
+    done = asyncio.Event()
+
+    async def holder() -> None:
+        async with model_lock(FencedItem(pk=5)):
+            entered.set()
+            await done.wait()
+
+    task = asyncio.create_task(holder())
+    await entered.wait()
+    try:
+        assert not await model_lock(FencedItem, 5).aacquire(blocking=False)
+        six = model_lock(FencedItem, 6)
+        assert await six.aacquire(blocking=False)
+        await six.arelease()
+    finally:
+        done.set()
+        await task
+    five = model_lock(FencedItem, 5)
+    assert await five.aacquire(blocking=False)
+    await five.arelease()
+
+
+# Fenced writes, one owner.
+
+
+@pytest.mark.django_db
+def test_fenced_update_writes_and_stores_the_token() -> None:
+    """A held fencing lock writes the row and its token in one UPDATE; the
+    instance shows both."""
+    item = FencedItem.objects.create(name="a", stock=10)
+    with model_lock(item, fencing=True) as lock:
+        token = lock.fencing_token
+        assert token is not None and token >= 1
+        assert fenced_update(item, lock, stock=9, name="b") is True
+    assert (item.stock, item.name, item.fence) == (9, "b", token)
+    stored = FencedItem.objects.get(pk=item.pk)
+    assert (stored.stock, stored.name, stored.fence) == (9, "b", token)
+
+
+@pytest.mark.django_db
+def test_fenced_update_applies_each_newer_token() -> None:
+    """Successive holders each get a newer token and each write."""
+    item = FencedItem.objects.create(name="a", stock=10)
+    tokens = []
+    for stock in (9, 8, 7):
+        with model_lock(FencedItem, item.pk, fencing=True) as lock:
+            assert fenced_update(item, lock, stock=stock)
+            tokens.append(lock.fencing_token)
+    assert tokens == sorted(set(tokens))
+    assert FencedItem.objects.values_list("stock", "fence").get(pk=item.pk) == (
+        7,
+        tokens[-1],
+    )
+
+
+@pytest.mark.django_db
+def test_fenced_update_refuses_a_second_write_with_the_same_token() -> None:
+    """A token writes a row once: the same write replayed is refused, and with
+    ``raise_on_stale`` says so with both tokens."""
+    item = FencedItem.objects.create(name="a", stock=10)
+    with model_lock(item, fencing=True) as lock:
+        assert fenced_update(item, lock, stock=9)
+        assert fenced_update(item, lock, stock=8) is False
+        with pytest.raises(StaleFencingTokenError) as caught:
+            fenced_update(item, lock, stock=8, raise_on_stale=True)
+    assert isinstance(caught.value, LockError)
+    assert caught.value.resource == f"tests.fenceditem:{item.pk}"
+    assert caught.value.token == caught.value.stored_token == item.fence
+    assert "refused" in str(caught.value)
+    assert FencedItem.objects.get(pk=item.pk).stock == 9
+    assert item.stock == 9
+
+
+@pytest.mark.django_db
+def test_fenced_update_applies_f_expressions_in_the_database() -> None:
+    """``F()`` updates run in the UPDATE; the instance reloads them on access."""
+    item = FencedItem.objects.create(name="a", stock=10)
+    with model_lock(item, fencing=True) as lock:
+        assert fenced_update(item, lock, stock=F("stock") - 4)
+        assert "stock" not in item.__dict__  # deferred: computed by the database
+        assert item.stock == 6
+        assert not fenced_update(item, lock, stock=F("stock") - 4)
+    assert FencedItem.objects.get(pk=item.pk).stock == 6
+
+
+@pytest.mark.django_db
+def test_queryset_fenced_update_writes_only_rows_with_older_tokens() -> None:
+    """A queryset write counts the rows written; a row already fenced by a newer
+    token is left alone."""
+    a = FencedItem.objects.create(name="a", stock=1)
+    b = FencedItem.objects.create(name="b", stock=1)
+    newer = FencedItem.objects.create(name="c", stock=1)
+    FencedItem.objects.filter(pk=newer.pk).update(fence=1000)
+    with Redlock("warehouse", fencing=True) as lock:
+        token = lock.fencing_token
+        assert FencedItem.objects.all().fenced_update(lock, stock=F("stock") + 5) == 2
+        assert fenced_update(FencedItem.objects.all(), lock, stock=0) == 0
+        with pytest.raises(TypeError, match="single row"):
+            fenced_update(FencedItem.objects.all(), lock, raise_on_stale=True)
+    rows = dict(FencedItem.objects.values_list("pk", "stock"))
+    assert rows == {a.pk: 6, b.pk: 6, newer.pk: 1}
+    assert FencedItem.objects.get(pk=a.pk).fence == token
+    assert FencedItem.objects.get(pk=newer.pk).fence == 1000
+
+
+@pytest.mark.django_db
+def test_fenced_update_finds_the_token_field_or_is_told_which() -> None:
+    """The model's one FencingTokenField is found; with two, ``field=`` picks one
+    and the other is untouched; no field, a non-integer field or writing the
+    token by hand is a FieldError."""
+    row = TwoFenceItem.objects.create()
+    with Redlock("pricing", fencing=True) as lock:
+        with pytest.raises(FieldError, match="price_fence, stock_fence"):
+            fenced_update(row, lock, price=5)
+        assert fenced_update(row, lock, field="price_fence", price=5)
+        token = lock.fencing_token
+    stored = TwoFenceItem.objects.get(pk=row.pk)
+    assert (stored.price, stored.price_fence, stored.stock_fence) == (5, token, 0)
+
+    counter = Counter.objects.create(name="c")
+    item = FencedItem.objects.create(name="a")
+    with Redlock("other", fencing=True) as lock:
+        with pytest.raises(FieldError, match="has no FencingTokenField"):
+            fenced_update(counter, lock, value=1)
+        with pytest.raises(FieldError, match="cannot hold fencing tokens"):
+            fenced_update(item, lock, field="name", stock=1)
+        with pytest.raises(FieldError, match="written by fenced_update itself"):
+            fenced_update(item, lock, stock=1, fence=10**9)
+    assert FencedItem.objects.get(pk=item.pk).fence == 0
+
+
+@pytest.mark.django_db
+def test_fenced_update_of_a_missing_row_raises_does_not_exist() -> None:
+    """A deleted row is not "refused": it raises the model's DoesNotExist; an
+    unsaved one is a ValueError."""
+    item = FencedItem.objects.create(name="a")
+    FencedItem.objects.filter(pk=item.pk).delete()
+    with model_lock(item, fencing=True) as lock:
+        with pytest.raises(FencedItem.DoesNotExist):
+            fenced_update(item, lock, stock=1)
+        with pytest.raises(ValueError, match="unsaved"):
+            fenced_update(FencedItem(), lock, stock=1)
+
+
+# Fencing asked of a lock without a token.
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fenced_update_without_a_token_raises_a_clear_error(other: Owner) -> None:
+    """No fencing=True, not acquired, held by another thread, or released: each
+    raises MissingFencingTokenError naming the resource, and writes nothing."""
+    item = FencedItem.objects.create(name="a", stock=10)
+    resource = f"tests.fenceditem:{item.pk}"
+
+    plain = model_lock(item)
+    with plain, pytest.raises(MissingFencingTokenError, match="fencing=True") as caught:
+        fenced_update(item, plain, stock=1)
+    assert caught.value.resource == resource
+    assert resource in str(caught.value)
+    assert isinstance(caught.value, ValueError)
+    assert not isinstance(caught.value, LockError)
+
+    fenced = model_lock(item, fencing=True)
+    with pytest.raises(MissingFencingTokenError, match="not held"):
+        fenced_update(item, fenced, stock=1)
+    assert other.run(fenced.acquire)
+    with pytest.raises(MissingFencingTokenError, match="not held"):
+        fenced_update(item, fenced, stock=1)
+    other.run(fenced.release)
+    with fenced:
+        pass
+    with pytest.raises(MissingFencingTokenError, match="not held"):
+        fenced_update(FencedItem.objects.all(), fenced, stock=1)
+    with pytest.raises(TypeError, match="expected a Redlock"):
+        fenced_update(item, "lock", stock=1)  # type: ignore[call-overload]
+
+    assert FencedItem.objects.values_list("stock", "fence").get(pk=item.pk) == (10, 0)
+
+
+async def test_afenced_update_reads_the_token_of_the_calling_task() -> None:
+    """A lock held by one task has no token in another."""
+    lock = model_lock(FencedItem, 1, fencing=True)
+    assert await lock.aacquire()
+    try:
+
+        async def elsewhere() -> None:
+            await afenced_update(FencedItem(pk=1), lock, stock=1)
+
+        with pytest.raises(MissingFencingTokenError, match="not held"):
+            await asyncio.create_task(elsewhere())
+    finally:
+        await lock.arelease()
+
+
+# The pause scenario: real locks, a lease running out, a newer holder.
+
+
+def _b_sells_three(pk: int) -> int:
+    """Holder B: take the row's lock, sell three, return its token."""
+    with model_lock(FencedItem, pk, fencing=True) as lock_b:
+        row = FencedItem.objects.get(pk=pk)
+        assert fenced_update(row, lock_b, stock=row.stock - 3)
+        token = lock_b.fencing_token
+        assert token is not None
+        return token
+
+
+def _pause_scenario(
+    other: Owner, a_writes: Callable[[FencedItem, Redlock, int], object]
+) -> tuple[object, int, int, FencedItem]:
+    """A reads stock 10 and pauses past its lease; B sells 3; A writes 10 - 1."""
+    item = FencedItem.objects.create(name="widget", stock=10)
+    lock_a = model_lock(item, fencing=True, ttl=PAUSE_TTL)
+    assert lock_a.acquire()
+    token_a = lock_a.fencing_token
+    assert token_a is not None
+    seen = FencedItem.objects.get(pk=item.pk).stock
+    assert lock_a.validity > 0  # A checked it held the lock, then...
+    time.sleep(PAUSE)  # ...paused (GC, swap): its lease ran out.
+    assert lock_a.lost
+    token_b = other.run(_b_sells_three, item.pk)
+    assert token_b > token_a
+    outcome = a_writes(item, lock_a, seen - 1)
+    with pytest.raises(LockLostError):
+        lock_a.release()
+    item.refresh_from_db()
+    return outcome, token_a, token_b, item
+
+
+@pytest.mark.django_db(transaction=True)
+def test_stale_holders_fenced_write_is_refused_and_the_newer_write_stays(
+    other: Owner,
+) -> None:
+    """A's write after its lease ran out and B wrote is refused: the row keeps
+    B's stock and token."""
+    written, _, token_b, item = _pause_scenario(
+        other, lambda item, lock, stock: fenced_update(item, lock, stock=stock)
+    )
+    assert written is False
+    assert (item.stock, item.fence) == (7, token_b)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_stale_holder_raise_on_stale_reports_both_tokens(other: Owner) -> None:
+    """With raise_on_stale, the refusal is a StaleFencingTokenError carrying A's
+    token and the newer one stored by B."""
+    outcome, token_a, token_b, item = _pause_scenario(
+        other,
+        lambda item, lock, stock: _caught(
+            lambda: fenced_update(item, lock, stock=stock, raise_on_stale=True)
+        ),
+    )
+    assert isinstance(outcome, StaleFencingTokenError)
+    assert (outcome.token, outcome.stored_token) == (token_a, token_b)
+    assert (item.stock, item.fence) == (7, token_b)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_negative_control_stale_holders_plain_update_overwrites_the_newer_write(
+    other: Owner,
+) -> None:
+    """Without fencing the same sequence loses B's sale: the stale holder wins."""
+    _, _, token_b, item = _pause_scenario(
+        other,
+        lambda item, lock, stock: FencedItem.objects.filter(pk=item.pk).update(
+            stock=stock
+        ),
+    )
+    assert item.stock == 9  # B's sale of three is gone
+    assert item.fence == token_b
+
+
+def _caught(fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except Exception as exc:
+        return exc
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_stale_tasks_afenced_update_is_refused(async_db: None) -> None:
+    """The pause scenario between two tasks, with ``async with`` and
+    ``afenced_update``; the negative control's plain ``aupdate`` overwrites."""
+    item = await FencedItem.objects.acreate(name="widget", stock=10)
+    lock_a = model_lock(item, fencing=True, ttl=PAUSE_TTL)
+
+    async def holder_b() -> int:
+        async with model_lock(FencedItem, item.pk, fencing=True) as lock_b:
+            row = await FencedItem.objects.aget(pk=item.pk)
+            assert await afenced_update(row, lock_b, stock=F("stock") - 3)
+            token = lock_b.fencing_token
+            assert token is not None
+            return token
+
+    assert await lock_a.aacquire()
+    token_a = lock_a.fencing_token
+    assert token_a is not None
+    await asyncio.sleep(PAUSE)
+    token_b = await asyncio.create_task(holder_b())
+    assert token_b > token_a
+    assert await afenced_update(item, lock_a, stock=9) is False
+    with pytest.raises(StaleFencingTokenError):
+        await afenced_update(item, lock_a, stock=9, raise_on_stale=True)
+    qs = FencedItem.objects.filter(pk=item.pk)
+    assert await qs.afenced_update(lock_a, stock=9) == 0
+    assert await qs.values_list("stock", "fence").aget() == (7, token_b)
+    # Negative control: the unfenced write of the same stale holder lands.
+    assert await qs.aupdate(stock=9) == 1
+    assert await qs.values_list("stock", flat=True).aget() == 9
+    with pytest.raises(LockLostError):
+        await lock_a.arelease()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_afenced_update_writes_with_a_held_token(async_db: None) -> None:
+    """The async twin writes the row and the token, as the blocking one does."""
+    item = await FencedItem.objects.acreate(name="a", stock=10)
+    async with model_lock(item, fencing=True) as lock:
+        assert await afenced_update(item, lock, stock=F("stock") - 1) is True
+        token = lock.fencing_token
+        qs = FencedItem.objects.filter(pk=item.pk)
+        assert await qs.afenced_update(lock, stock=0) == 0
+    row = await FencedItem.objects.aget(pk=item.pk)
+    assert (row.stock, row.fence) == (9, token)
+    assert item.fence == token
+
+
+# The refusal happens in the UPDATE itself, not in a read before it.
+
+
+def _fenced_update(item: FencedItem, lock: Redlock, stock: int) -> bool:
+    return fenced_update(item, lock, stock=stock)
+
+
+def _naive_fenced_update(item: FencedItem, lock: Redlock, stock: int) -> bool:
+    """Read the token, compare in Python, then write: the race fencing must avoid."""
+    stored = FencedItem.objects.values_list("fence", flat=True).get(pk=item.pk)
+    token = lock.fencing_token
+    assert token is not None
+    if stored >= token:
+        return False
+    return bool(FencedItem.objects.filter(pk=item.pk).update(stock=stock, fence=token))
+
+
+def _signal_when_blocked(pid: int, blocked: threading.Event) -> None:
+    """Set ``blocked`` once PostgreSQL backend ``pid`` waits on a lock."""
+    deadline = time.monotonic() + 5
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid]
+            )
+            row = cursor.fetchone()
+            if row is not None and row[0] == "Lock":
+                blocked.set()
+                return
+            time.sleep(0.005)
+    raise AssertionError("the stale write never waited for the row lock")
+
+
+@pytest.mark.parametrize(
+    ("write", "stale_wins"),
+    [(_fenced_update, False), (_naive_fenced_update, True)],
+    ids=["fenced_update", "negative-control-read-then-write"],
+)
+@pytest.mark.django_db(transaction=True)
+def test_stale_write_waiting_on_the_newer_holders_transaction_is_refused(
+    other: Owner, write: Callable[..., bool], stale_wins: bool
+) -> None:
+    """B's fenced write sits uncommitted while A's stale write waits on the row;
+    once B commits, the UPDATE's own condition refuses A. A read-then-write check
+    (the control) saw the old token before B committed and overwrites B."""
+    if connection.vendor != "postgresql":
+        pytest.skip("needs row locks between connections: set DATABASE_URL")
+    item = FencedItem.objects.create(name="widget", stock=10)
+    lock_a = model_lock(item, fencing=True, ttl=PAUSE_TTL)
+    assert lock_a.acquire()
+    time.sleep(PAUSE)
+    b_wrote, a_blocked = threading.Event(), threading.Event()
+
+    def holder_b() -> int:
+        with model_lock(FencedItem, item.pk, fencing=True) as lock_b:
+            with transaction.atomic():
+                assert fenced_update(FencedItem(pk=item.pk), lock_b, stock=7)
+                b_wrote.set()
+                assert a_blocked.wait(5)
+            token = lock_b.fencing_token
+            assert token is not None
+            return token
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (a_pid,) = cursor.fetchone()
+    b = Owner()
+    try:
+        b_token = b.submit(holder_b)
+        assert b_wrote.wait(5)
+        watching = other.submit(_signal_when_blocked, a_pid, a_blocked)
+        written = write(item, lock_a, 9)
+        watching.result(timeout=5)
+        token_b = b_token.result(timeout=5)
+    finally:
+        b.close()
+    with pytest.raises(LockLostError):
+        lock_a.release()
+    stock, fence = FencedItem.objects.values_list("stock", "fence").get(pk=item.pk)
+    if stale_wins:
+        assert (written, stock) == (True, 9)
+    else:
+        assert (written, stock, fence) == (False, 7, token_b)
+
+
+# The field.
+
+
+def test_fencing_token_field_is_a_non_null_bigint_defaulting_to_zero() -> None:
+    """The column is a BIGINT NOT NULL DEFAULT 0, hidden from forms."""
+    field = FencedItem._meta.get_field("fence")
+    assert isinstance(field, models.BigIntegerField)
+    assert field.get_internal_type() == "BigIntegerField"
+    assert (field.null, field.get_default(), field.editable) == (False, 0, False)
+    assert FencedItem().fence == 0
+
+
+def test_fencing_token_field_deconstructs_to_a_bare_call() -> None:
+    """Migrations write ``FencingTokenField()``; non-default options survive."""
+    name, path, args, kwargs = FencedItem._meta.get_field("fence").deconstruct()
+    assert (name, path, args, kwargs) == (
+        "fence",
+        "redlock_django.orm.FencingTokenField",
+        [],
+        {},
+    )
+    text, imports = MigrationWriter.serialize(FencingTokenField())
+    assert text == "redlock_django.orm.FencingTokenField()"
+    assert imports == {"import redlock_django.orm"}
+    custom = FencingTokenField(editable=True, db_index=True, default=-1)
+    _, _, _, kwargs = custom.deconstruct()
+    assert kwargs == {"editable": True, "db_index": True, "default": -1}
+    rebuilt = FencingTokenField(**kwargs)
+    assert rebuilt.deconstruct() == custom.deconstruct()
+
+
+@isolate_apps("tests")
+def test_fencing_token_field_checks_flag_null_and_positive_defaults() -> None:
+    """null=True (never writable) and a default above 0 are errors; the plain
+    field and a default of -1 pass."""
+
+    class Checked(models.Model):
+        ok = FencingTokenField()
+        negative = FencingTokenField(default=-1)
+        nullable = FencingTokenField(null=True)
+        ahead = FencingTokenField(default=5)
+        boolean = FencingTokenField(default=True)
+
+        class Meta:
+            app_label = "tests"
+
+    ids = {
+        name: [message.id for message in Checked._meta.get_field(name).check()]
+        for name in ("ok", "negative", "nullable", "ahead", "boolean")
+    }
+    assert ids == {
+        "ok": [],
+        "negative": [],
+        "nullable": [E101],
+        "ahead": [E102],
+        "boolean": [E102],
+    }
