@@ -42,6 +42,7 @@ from .protocol import (
     Grant,
     Lease,
     LockSpec,
+    Release,
     acquire_flow,
     extend_flow,
     locked_flow,
@@ -119,6 +120,8 @@ class _Hold:
     depth: int = 1
     watchdog: _Watchdog | None = None
     lost_reported: bool = False
+    #: Release fan-outs started; a retry finds the keys its first try deleted.
+    releases: int = 0
 
 
 def _report_lost(hold: _Hold, reason: str) -> None:
@@ -536,19 +539,27 @@ class Redlock:
             )
         return hold
 
-    def _finish_release(self, owner: object, hold: _Hold, released: int) -> None:
+    def _finish_release(self, owner: object, hold: _Hold, outcome: Release) -> None:
         _drop_hold(owner, hold.config.identity)
         lease = hold.lease
         spec = hold.config.spec
         now = _clock()
         held_for = now - lease.acquired
+        released, failed = outcome.released, len(outcome.failed)
         signals.lock_released.send(
             sender=Redlock, lock=self, resource=self.resource, held=held_for
         )
-        if lease.lost is not None or now >= lease.valid_until:
-            why = lease.lost or (
-                f"its lease ran out {now - lease.valid_until:.3f}s before release"
+        why = lease.lost
+        if why is None and now >= lease.valid_until:
+            why = f"its lease ran out {now - lease.valid_until:.3f}s before release"
+        if why is None and hold.releases == 1 and released + failed < spec.quorum:
+            # Nodes that answered no longer had our token: it was force-released,
+            # evicted, or lost in a restart, so another holder may have come in.
+            why = (
+                f"only {released}/{spec.node_count} nodes still held it "
+                f"({failed} did not answer)"
             )
+        if why is not None:
             _report_lost(hold, why)
             raise LockLostError(
                 f"lock {self.resource!r} was lost while held ({held_for:.3f}s): {why}",
@@ -556,13 +567,16 @@ class Redlock:
                 granted=released,
                 nodes=spec.node_count,
                 quorum=spec.quorum,
+                failed=outcome.failed,
             )
         if released < spec.quorum:
             logger.warning(
-                "redlock %r released on %d/%d nodes; the rest expire with the lease",
+                "redlock %r released on %d/%d nodes; %d did not answer and expire "
+                "with the lease",
                 self.resource,
                 released,
                 spec.node_count,
+                failed,
             )
 
     def _start_acquire(
@@ -642,12 +656,13 @@ class Redlock:
             return
         if hold.watchdog is not None:
             hold.watchdog.stop()
+        hold.releases += 1
         config = hold.config
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         outcome = sync.run(
             release_flow(config.spec, hold.lease.token), pools, config.node_timeout
         )
-        self._finish_release(owner, hold, outcome.released)
+        self._finish_release(owner, hold, outcome)
 
     def extend(self, ttl: float | None = None) -> bool:
         """Reset the lease to ``ttl`` seconds (default: the lock's TTL).
@@ -746,12 +761,13 @@ class Redlock:
             return
         if hold.watchdog is not None:
             await hold.watchdog.astop()
+        hold.releases += 1
         config = hold.config
         clients = nodes.async_clients(config.nodes, config.node_timeout)
         outcome = await aio.run(
             release_flow(config.spec, hold.lease.token), clients, config.node_timeout
         )
-        self._finish_release(owner, hold, outcome.released)
+        self._finish_release(owner, hold, outcome)
 
     async def aextend(self, ttl: float | None = None) -> bool:
         """Extend the lease from a coroutine; see ``extend()``."""

@@ -7,6 +7,7 @@ import dj_database_url
 SECRET_KEY = "tests-only-not-secret"
 DEBUG = False
 USE_TZ = True
+TIME_ZONE = "UTC"
 ALLOWED_HOSTS = ["*"]
 INSTALLED_APPS = [
     "django.contrib.admin",

@@ -26,7 +26,7 @@ from django.contrib.contenttypes.models import ContentType
 from django.test import Client
 from django.urls import reverse
 
-from redlock_django import Redlock
+from redlock_django import LockLostError, Redlock
 from redlock_django.models import HeldLock
 from tests._nodes import NodeSet, RedisNode
 
@@ -224,7 +224,8 @@ def test_lock_held_on_a_minority_of_nodes_is_flagged(
     redlock_settings: dict[str, Any], nodes: NodeSet, admin_client: Client
 ) -> None:
     """A lock left on 2 of 5 nodes is listed, marked below quorum; a full one isn't."""
-    with Redlock("leftover"), Redlock("healthy"):
+    # Its holder finds the keys gone from a majority: the lock was lost.
+    with pytest.raises(LockLostError), Redlock("leftover"), Redlock("healthy"):
         for node in nodes[:3]:
             node.client().delete(key("leftover"))
         html = admin_client.get(LIST_URL).content.decode()
@@ -360,7 +361,11 @@ def test_node_passwords_never_appear_on_any_page(
     settings.REDLOCK = {"NODES": urls, "TTL": 10.0, "NODE_TIMEOUT": 0.2}
 
     pages = []
-    with caplog.at_level(logging.DEBUG), Redlock("secret-stuff") as lock:
+    with (
+        pytest.raises(LockLostError),  # force-released under its holder
+        caplog.at_level(logging.DEBUG),
+        Redlock("secret-stuff") as lock,
+    ):
         assert lock.owned()
         listing = admin_client.get(LIST_URL)
         pages.append(listing.content.decode())
@@ -431,7 +436,7 @@ def test_post_without_csrf_token_is_refused(
 ) -> None:
     """A release POST lacking the CSRF token is refused; with it, it goes through."""
     browser = login(releaser, enforce_csrf_checks=True)
-    with Redlock("guarded"):
+    with pytest.raises(LockLostError), Redlock("guarded"):
         page = browser.get(LIST_URL).content.decode()
         token = token_on(nodes[0], "guarded")
         assert token is not None
@@ -475,7 +480,8 @@ def test_force_release_confirms_then_releases_everywhere_and_logs(
 ) -> None:
     """First POST shows the lock; the confirmation deletes it and records who did it."""
     browser = login(releaser)
-    with Redlock("stuck:job", label="nightly export"):
+    # The evicted holder learns it at release: LockLostError.
+    with pytest.raises(LockLostError), Redlock("stuck:job", label="nightly export"):
         token = token_on(nodes[0], "stuck:job")
         assert token is not None
         page = browser.get(LIST_URL, {"q": "stuck"}).content.decode()

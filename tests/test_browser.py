@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from redlock_django import Redlock
+from redlock_django import LockLostError, Redlock
 from tests._nodes import NodeSet
 
 LIST_URL = "/admin/redlock_django/heldlock/"
@@ -172,5 +172,6 @@ def test_admin_sees_and_force_releases_a_held_lock_in_chromium(
     finally:
         other.release()
         if held.owned():
-            # Evicted: its keys are gone, so this release deletes nothing.
-            held.release()
+            # Evicted: its keys are gone, and its release says the lock was lost.
+            with pytest.raises(LockLostError):
+                held.release()

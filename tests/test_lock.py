@@ -230,7 +230,8 @@ async def test_extend_confirmed_only_by_a_minority_fails_without_recreating_keys
         node.client().delete(KEY.format("minority"))
     assert not await api.extend(lock, 8.0)
     assert tokens(nodes, "minority")[:3] == [None] * 3
-    await api.release(lock)
+    with pytest.raises(LockLostError, match="only 2/5"):
+        await api.release(lock)
 
 
 async def test_extend_rejects_a_non_positive_ttl_without_touching_the_lock(
@@ -554,3 +555,26 @@ async def test_watchdog_stops_when_its_owner_ends_without_releasing(
     await asyncio.sleep(0.8)
     assert tokens(nodes, "orphan-thread") == [None] * 5
     assert tokens(nodes, "orphan-task") == [None] * 5
+
+
+async def test_release_after_the_keys_were_removed_reports_the_lock_lost(
+    api: SyncAPI, nodes: Any
+) -> None:
+    lock = Redlock("evicted", ttl=10.0)
+    await api.acquire(lock)
+    for node in nodes[:3]:  # an admin's force release, or an eviction, on a majority
+        node.client().delete(KEY.format("evicted"))
+    with pytest.raises(LockLostError, match="only 2/5 nodes still held it"):
+        await api.release(lock)
+    assert tokens(nodes, "evicted") == [None] * 5
+
+
+async def test_release_with_a_minority_of_nodes_down_is_not_a_loss(
+    api: SyncAPI, nodes: Any
+) -> None:
+    lock = Redlock("outage", ttl=10.0)
+    await api.acquire(lock)
+    for node in nodes[:2]:
+        node.stop()
+    await api.release(lock)  # 3 released, 2 did not answer: still a clean release
+    assert tokens(nodes[2:], "outage") == [None] * 3
