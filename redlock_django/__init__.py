@@ -11,15 +11,33 @@ from .exceptions import (
     QuorumUnavailableError,
 )
 from .lock import Redlock
+from .orm import (
+    FencedQuerySet,
+    FencingTokenField,
+    MissingFencingTokenError,
+    StaleFencingTokenError,
+    afenced_update,
+    fenced_update,
+    model_lock,
+    model_resource,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FencedQuerySet",
+    "FencingTokenField",
     "LockContentionError",
     "LockError",
     "LockLostError",
     "LockNotOwnedError",
+    "MissingFencingTokenError",
     "QuorumUnavailableError",
     "Redlock",
+    "StaleFencingTokenError",
     "__version__",
+    "afenced_update",
+    "fenced_update",
+    "model_lock",
+    "model_resource",
 ]

@@ -7,8 +7,13 @@ One base class, and one subclass for each situation a caller handles differently
     ├── QuorumUnavailableError  fewer than a majority of nodes answered in time: an
     │                           outage, not contention (HTTP 503)
     ├── LockNotOwnedError       release/extend of a lock this owner does not hold
-    └── LockLostError           the lease ran out (or an extension failed) while held:
-                                the protected work may have overlapped another holder
+    ├── LockLostError           the lease ran out (or an extension failed) while held:
+    │                           the protected work may have overlapped another holder
+    └── StaleFencingTokenError  (orm.py) a fenced write was refused: the row holds
+                                this lock's fencing token or a newer one
+
+    MissingFencingTokenError (a ValueError, orm.py): fencing asked of a lock that
+    has no token (made without ``fencing=True``, or not held by this owner)
 
 Raw ``redis.exceptions`` never escape the public API: per-node failures are reported
 as text in ``.failed`` (node display name -> reason), never with credentials.

@@ -20,6 +20,12 @@ def test_every_exception_derives_from_lock_error() -> None:
         cls = getattr(exceptions, name)
         assert issubclass(cls, redlock_django.LockError)
         assert getattr(redlock_django, name) is cls
+    assert issubclass(redlock_django.StaleFencingTokenError, redlock_django.LockError)
+    # A programming error, not a lock failure a view would turn into 423/503.
+    assert issubclass(redlock_django.MissingFencingTokenError, ValueError)
+    assert not issubclass(
+        redlock_django.MissingFencingTokenError, redlock_django.LockError
+    )
 
 
 def test_lock_error_carries_its_context() -> None:
