@@ -3,6 +3,7 @@
 See ``Redlock`` for the lock itself and ``exceptions`` for what it raises.
 """
 
+from .decorators import DistributedLockMixin, distributed_lock
 from .exceptions import (
     LockContentionError,
     LockError,
@@ -25,6 +26,7 @@ from .orm import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistributedLockMixin",
     "FencedQuerySet",
     "FencingTokenField",
     "LockContentionError",
@@ -37,6 +39,7 @@ __all__ = [
     "StaleFencingTokenError",
     "__version__",
     "afenced_update",
+    "distributed_lock",
     "fenced_update",
     "model_lock",
     "model_resource",
