@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
 from typing import Any
 
 import pytest
+import redis
 from redis.backoff import NoBackoff
 
 from redlock_django import QuorumUnavailableError, Redlock
 from redlock_django import nodes as node_pools
 from redlock_django.conf import get_settings
+from tests._nodes import find_redis_server
 
 KEY = "redlock:lock:{}"
 
@@ -69,3 +73,41 @@ def test_password_in_the_url_authenticates_and_never_reaches_errors(
     assert "wrong-pass" not in text and "s3cret" not in text
     assert len(info.value.failed) == 3
     assert all(name.startswith("redis://127.0.0.1:") for name in info.value.failed)
+
+
+def test_lock_works_over_a_unix_socket(
+    settings: Any, tmp_path: Any, redlock_settings: dict[str, Any]
+) -> None:
+    socket_path = tmp_path / "redis.sock"
+    server = subprocess.Popen(
+        [
+            find_redis_server(),
+            "--port",
+            "0",
+            "--unixsocket",
+            str(socket_path),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not socket_path.exists():
+            assert time.monotonic() < deadline, "redis-server did not open its socket"
+            time.sleep(0.02)
+        url = f"unix://{socket_path}?db=2"
+        settings.REDLOCK = {**redlock_settings, "NODES": [url]}
+        with Redlock("over-unix") as lock:
+            assert lock.owned()
+            client = redis.Redis(unix_socket_path=str(socket_path), db=2)
+            assert client.hget(KEY.format("over-unix"), "token") is not None
+        assert client.exists(KEY.format("over-unix")) == 0
+    finally:
+        server.kill()
+        server.wait(timeout=10)
