@@ -36,6 +36,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "redlock_django",
+    "shop",
 ]
 
 MIDDLEWARE = [
@@ -71,10 +72,35 @@ ASGI_APPLICATION = "shop.asgi.application"
 DATABASES = {
     "default": dj_database_url.config(default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")
 }
+# Requests run in a transaction; the shop's own views opt out (see shop/views.py:
+# they must open their transaction only after taking the lock) and the lock
+# decorator releases after the commit of any view that does run in one.
+DATABASES["default"]["ATOMIC_REQUESTS"] = True
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Several gunicorn processes share the file. WAL lets readers run while one
+    # connection writes; IMMEDIATE transactions take the write lock at BEGIN, so a
+    # writer waits (up to the busy timeout) instead of failing with "database is
+    # locked" when it upgrades a read transaction that another writer overtook.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {
+            "timeout": 20,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        }
+    )
 
 REDLOCK = {
     "NODES": _env_list("REDLOCK_NODES", "redis://127.0.0.1:6379/0"),
+    # A product lock's lease, and how long a buyer waits for it before a 423.
+    "TTL": float(os.environ.get("REDLOCK_TTL", "5")),
+    "WAIT_TIMEOUT": float(os.environ.get("REDLOCK_WAIT_TIMEOUT", "2")),
 }
+
+# Simulated "payment" time spent inside both buy views' critical sections, so the
+# locked and unsafe endpoints are compared doing the same work.
+SHOP_WORK_SECONDS = int(os.environ.get("SHOP_WORK_MS", "5")) / 1000
+# Most units one order may buy.
+SHOP_MAX_PER_ORDER = int(os.environ.get("SHOP_MAX_PER_ORDER", "5"))
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

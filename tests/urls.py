@@ -8,4 +8,5 @@ from django.urls import include, path
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("views/", include("tests.views")),
+    path("shop/", include("shop.shop_urls")),
 ]
