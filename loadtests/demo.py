@@ -1,0 +1,541 @@
+"""``make demo``: a flash sale across several app servers, without and with the lock.
+
+Starts five local Redis nodes (unless ``REDLOCK_NODES`` is set), migrates a fresh
+SQLite database under ``.demo/`` (or the one ``DATABASE_URL`` names), seeds a
+product with 200 units, starts three app servers (gunicorn, two workers each) on
+their own ports, then runs Locust headless twice with the same load: first on
+``POST /shop/products/<id>/buy-unsafe/`` (no lock), then, after re-seeding, on
+``POST /shop/products/<id>/buy/`` (Redlock on the product and the customer). It
+prints both runs side by side and writes Locust's HTML reports under
+``reports/``.
+
+Exit code 0 when the unlocked run oversold and the locked one did not (the claim
+of the demo), 1 otherwise, 130 when interrupted. Everything it started (Redis,
+gunicorn and their workers, Locust) is stopped on the way out, Ctrl-C included.
+
+Usage: python -m loadtests.demo [--users 40] [--spawn-rate 20] [--run-time 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+PREFERRED_PORTS = range(8001, 8100)
+STOP_TIMEOUT = 8.0
+
+
+def _die_with_parent() -> Any:
+    """Return a ``preexec_fn`` that kills the child when this process dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    parent = os.getpid()
+
+    def hook() -> None:
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return hook
+
+
+def port_is_free(port: int) -> bool:
+    """Return whether a TCP port on the loopback address can be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+        return True
+
+
+def pick_ports(count: int) -> list[int]:
+    """Return ``count`` free ports, 8001, 8002, ... when those are free."""
+    ports: list[int] = []
+    for port in PREFERRED_PORTS:
+        if len(ports) == count:
+            break
+        if port_is_free(port):
+            ports.append(port)
+    while len(ports) < count:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+class Children:
+    """Child processes, each in its own process group, stopped as groups."""
+
+    def __init__(self) -> None:
+        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(
+        self, name: str, command: list[str], env: dict[str, str], log: Path
+    ) -> subprocess.Popen[bytes]:
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                command,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                # Own session: a terminal's Ctrl-C reaches only this script,
+                # which then stops each group in order.
+                start_new_session=True,
+                preexec_fn=_die_with_parent(),
+            )
+        self.processes.append((name, process))
+        return process
+
+    def stop(self, process: subprocess.Popen[bytes]) -> None:
+        """SIGTERM the process's group, SIGKILL it after a while; reap it."""
+        group = process.pid  # start_new_session: the group id is the pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        try:
+            process.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+            process.wait(STOP_TIMEOUT)
+        # Workers left behind by a master that died first.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+    def stop_all(self) -> None:
+        for _, process in reversed(self.processes):
+            self.stop(process)
+        self.processes.clear()
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def run_manage(args: list[str], env: dict[str, str]) -> str:
+    """Run ``manage.py`` with ``args``; return its output, exit on failure."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "manage.py"), *args],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if result.returncode != 0:
+        raise DemoError(
+            f"manage.py {' '.join(args)} failed ({result.returncode}):\n"
+            f"{result.stdout}{result.stderr}"
+        )
+    return result.stdout
+
+
+def seed(env: dict[str, str], stock: int) -> int:
+    output = run_manage(["seed_sale", "--stock", str(stock)], env)
+    last = output.strip().splitlines()[-1] if output.strip() else ""
+    if not last.startswith("product_id="):
+        raise DemoError(f"seed_sale did not print product_id=<id>:\n{output}")
+    return int(last.split("=", 1)[1])
+
+
+def get_json(url: str, timeout: float = 2.0) -> Any:
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+class DemoError(RuntimeError):
+    """A step of the demo failed; the message says which and why."""
+
+
+class Progress:
+    """One status line, rewritten in place on a terminal."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.last_print = 0.0
+
+    def update(self, text: str) -> None:
+        if self.tty:
+            sys.stdout.write("\r\033[K" + text)
+            sys.stdout.flush()
+        elif time.monotonic() - self.last_print >= 5.0:
+            print(text, flush=True)
+            self.last_print = time.monotonic()
+
+    def done(self, text: str) -> None:
+        if self.tty:
+            sys.stdout.write("\r\033[K")
+        print(text, flush=True)
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.workdir = REPO / ".demo"
+        self.reports = (REPO / args.reports_dir).resolve()
+        self.children = Children()
+        self.nodes: Any = None
+        self.env: dict[str, str] = {}
+        self.hosts: list[str] = []
+        self.servers: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+
+    # -- setup ---------------------------------------------------------------
+
+    def prepare(self) -> None:
+        if self.workdir.exists():
+            shutil.rmtree(self.workdir)
+        self.workdir.mkdir(parents=True)
+        self.reports.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(
+            DJANGO_SETTINGS_MODULE="shop.settings",
+            PYTHONUNBUFFERED="1",
+            DEBUG=env.get("DEBUG", "0"),
+        )
+        if self.args.work_ms is not None:
+            env["SHOP_WORK_MS"] = str(self.args.work_ms)
+        if not env.get("DATABASE_URL"):
+            env["DATABASE_URL"] = f"sqlite:///{self.workdir / 'shop.sqlite3'}"
+        self.env = env
+
+    def start_redis(self) -> str:
+        if os.environ.get("REDLOCK_NODES"):
+            self.env["REDLOCK_NODES"] = os.environ["REDLOCK_NODES"]
+            count = len([u for u in self.env["REDLOCK_NODES"].split(",") if u])
+            return f"using REDLOCK_NODES ({count} nodes)"
+        sys.path.insert(0, str(REPO))
+        from tests._nodes import NodeSet
+
+        self.nodes = NodeSet.create(self.args.redis_nodes, self.workdir / "redis")
+        self.nodes.start_all()
+        self.env["REDLOCK_NODES"] = ",".join(self.nodes.urls)
+        ports = ", ".join(str(p) for p in self.nodes.ports)
+        return f"{len(self.nodes)} redis-server nodes on ports {ports}"
+
+    def start_servers(self, product_id: int) -> None:
+        ports = pick_ports(self.args.servers)
+        for port in ports:
+            log = self.workdir / f"app-{port}.log"
+            command = [
+                sys.executable, "-m", "gunicorn", "shop.wsgi:application",
+                "--bind", f"{HOST}:{port}",
+                "--workers", str(self.args.workers),
+                "--worker-class", "sync",
+                "--backlog", "2048",
+                "--timeout", "30",
+                "--graceful-timeout", "3",
+                "--log-level", "warning",
+                "--error-logfile", "-",
+            ]  # fmt: skip
+            process = self.children.start(f"app:{port}", command, self.env, log)
+            self.servers.append((f"http://{HOST}:{port}", process, log))
+        self.hosts = [host for host, _, _ in self.servers]
+        deadline = time.monotonic() + 45.0
+        for host, process, log in self.servers:
+            url = f"{host}/shop/products/{product_id}/"
+            while True:
+                if process.poll() is not None:
+                    raise DemoError(
+                        f"the app server {host} exited ({process.returncode}); "
+                        f"{log}:\n{log_tail(log)}"
+                    )
+                try:
+                    get_json(url, timeout=1.0)
+                    break
+                except (OSError, ValueError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise DemoError(f"{url} did not answer; {log}:\n{log_tail(log)}")
+                time.sleep(0.2)
+
+    # -- a Locust run ----------------------------------------------------------
+
+    def run_locust(self, mode: str, product_id: int) -> dict[str, Any]:
+        args = self.args
+        html = self.reports / f"{mode}.html"
+        summary_path = self.reports / f"{mode}.json"
+        summary_path.unlink(missing_ok=True)
+        log = self.workdir / f"locust-{mode}.log"
+        command = [
+            sys.executable, "-m", "locust",
+            "-f", str(REPO / "loadtests" / "locustfile.py"),
+            "--headless",
+            "-u", str(args.users),
+            "-r", str(args.spawn_rate),
+            "-t", f"{args.run_time}s",
+            "--html", str(html),
+            "--only-summary",
+            "--app-hosts", ",".join(self.hosts),
+            "--product-id", str(product_id),
+            "--scenario", mode,
+            "--summary-json", str(summary_path),
+        ]  # fmt: skip
+        if args.stop_after_sold_out is not None:
+            command += ["--stop-after-sold-out", str(args.stop_after_sold_out)]
+        env = {k: v for k, v in self.env.items() if not k.startswith("LOCUST_")}
+        process = self.children.start(f"locust:{mode}", command, env, log)
+        progress = Progress()
+        started = time.monotonic()
+        audit_url = f"{self.hosts[0]}/shop/products/{product_id}/audit/"
+        try:
+            while process.poll() is None:
+                elapsed = time.monotonic() - started
+                try:
+                    audit = get_json(audit_url, timeout=1.0)
+                    state = (
+                        f"orders {audit['orders']:>4}  stock {audit['stock']:>4}  "
+                        f"oversold {audit['oversold']:>3}"
+                    )
+                except (OSError, ValueError, KeyError):
+                    state = "(audit not available)"
+                progress.update(
+                    f"  {mode:<7} {elapsed:4.0f}/{args.run_time} s  "
+                    f"{args.users} users  {state}"
+                )
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(1.0)
+        finally:
+            if process.poll() is None:
+                self.children.stop(process)
+        progress.done(
+            f"  {mode:<7} done in {time.monotonic() - started:.0f} s "
+            f"(Locust exit code {process.returncode}; log {self.rel(log)})"
+        )
+        if not summary_path.exists():
+            raise DemoError(
+                f"Locust wrote no summary for the {mode} run; {log}:\n{log_tail(log)}"
+            )
+        summary: dict[str, Any] = json.loads(summary_path.read_text())
+        summary["mode"] = mode
+        summary["locust_exit_code"] = process.returncode
+        summary["html"] = str(html)
+        return summary
+
+    @staticmethod
+    def rel(path: Path) -> str:
+        with contextlib.suppress(ValueError):
+            return str(path.relative_to(Path.cwd()))
+        return str(path)
+
+    # -- the whole demo ----------------------------------------------------------
+
+    def run(self) -> int:
+        args = self.args
+        self.prepare()
+        print(f"[1/6] Redis: {self.start_redis()}", flush=True)
+        database = self.env["DATABASE_URL"]
+        shown = database if database.startswith("sqlite") else "DATABASE_URL"
+        print(f"[2/6] database: {shown}: migrating", flush=True)
+        run_manage(["migrate", "--noinput"], self.env)
+        product_id = seed(self.env, args.stock)
+        print(f"[3/6] seeded product {product_id} with {args.stock} units", flush=True)
+        self.start_servers(product_id)
+        ports = ", ".join(host.rsplit(":", 1)[1] for host in self.hosts)
+        print(
+            f"[4/6] {len(self.hosts)} app servers (gunicorn, {args.workers} workers "
+            f"each) on ports {ports}",
+            flush=True,
+        )
+        print(
+            f"[5/6] Locust on POST buy-unsafe/ (no lock): {args.users} users, "
+            f"{args.run_time} s",
+            flush=True,
+        )
+        unsafe = self.run_locust("unsafe", product_id)
+        product_id = seed(self.env, args.stock)
+        print(
+            f"[6/6] re-seeded {args.stock} units; Locust on POST buy/ (Redlock): "
+            f"{args.users} users, {args.run_time} s",
+            flush=True,
+        )
+        locked = self.run_locust("locked", product_id)
+        return self.report(unsafe, locked)
+
+    def report(self, unsafe: dict[str, Any], locked: dict[str, Any]) -> int:
+        print()
+        print(format_table([unsafe, locked]))
+        print()
+        for summary in (unsafe, locked):
+            html = self.rel(Path(summary["html"]))
+            print(f"Locust report ({summary['endpoint']}): {html}")
+        print(f"Logs: {self.rel(self.workdir)}/")
+        problems: list[str] = []
+        if not unsafe.get("oversold"):
+            problems.append(
+                "the unlocked run did not oversell: the race did not show up "
+                "(try more --users or a larger SHOP_WORK_MS)"
+            )
+        if locked.get("oversold") or locked.get("oversold") is None:
+            problems.append(f"the LOCKED run oversold: {locked.get('oversold')}")
+        if locked.get("locust_exit_code") != 0:
+            reasons = "; ".join(locked.get("problems") or []) or (
+                f"{locked.get('failures')} failed requests"
+            )
+            problems.append(f"the locked run failed: {reasons}")
+        print()
+        if problems:
+            for problem in problems:
+                print(f"DEMO FAILED: {problem}")
+            return 1
+        print(
+            f"Without the lock {unsafe['oversold']} units were oversold; with "
+            "Redlock none were, and every order was paid for with stock."
+        )
+        return 0
+
+    def close(self) -> None:
+        self.children.stop_all()
+        if self.nodes is not None:
+            self.nodes.stop_all()
+            self.nodes = None
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Return the side-by-side table of the runs."""
+    header = (
+        "mode",
+        "requests/s",
+        "orders",
+        "orders/s",
+        "stock left",
+        "oversold",
+        "errors",
+        "p50 ms",
+        "p99 ms",
+    )
+    lines = [header]
+    for row in rows:
+        lines.append(
+            (
+                f"{row.get('mode', '?')} ({row.get('endpoint', '?')}/)",
+                f"{row.get('requests_per_s', 0):.1f}",
+                str(row.get("orders", "?")),
+                f"{row.get('orders_per_s', 0):.1f}",
+                str(row.get("stock_left", "?")),
+                str(row.get("oversold", "?")),
+                str(row.get("failures", "?")),
+                str(row.get("p50_ms", "?")),
+                str(row.get("p99_ms", "?")),
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for number, line in enumerate(lines):
+        cells = [line[0].ljust(widths[0])]
+        pairs = zip(line[1:], widths[1:], strict=True)
+        cells += [cell.rjust(width) for cell, width in pairs]
+        out.append("  ".join(cells))
+        if number == 0:
+            out.append("  ".join("-" * width for width in widths))
+    return "\n".join(out)
+
+
+@contextlib.contextmanager
+def signals_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt, like Ctrl-C, for cleanup."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {
+        sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.demo",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
+    parser.add_argument("--users", type=int, default=40)
+    parser.add_argument("--spawn-rate", type=float, default=20.0)
+    parser.add_argument("--run-time", type=int, default=15, help="seconds per run")
+    parser.add_argument("--stock", type=int, default=200)
+    parser.add_argument("--servers", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2, help="per app server")
+    parser.add_argument("--redis-nodes", type=int, default=5)
+    parser.add_argument(
+        "--work-ms",
+        type=int,
+        default=None,
+        help="simulated payment time inside the critical section "
+        "(default: SHOP_WORK_MS or the shop's own default)",
+    )
+    parser.add_argument(
+        "--stop-after-sold-out",
+        type=float,
+        default=None,
+        help="end each run this many seconds after it sells out",
+    )
+    parser.add_argument("--reports-dir", default="reports")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    demo = Demo(args)
+    started = time.monotonic()
+    try:
+        with signals_as_interrupt():
+            try:
+                code = demo.run()
+            finally:
+                # Cleanup must not be cut short by a second Ctrl-C or a SIGTERM.
+                stoppers = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stoppers}
+                try:
+                    demo.close()
+                finally:
+                    for sig, old in previous.items():
+                        signal.signal(sig, old)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopped every process the demo started", flush=True)
+        return 130
+    except DemoError as exc:
+        print(f"\nDEMO FAILED: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(f"({time.monotonic() - started:.0f} s in total)")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
