@@ -15,6 +15,7 @@ import copy
 import json
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -1139,7 +1140,7 @@ def _lock_survives_kill_9(tmp_path: Path, *extra: str) -> bool:
 
 
 @pytest.mark.skipif(
-    subprocess.run(["which", "redis-server"], capture_output=True).returncode != 0,
+    shutil.which("redis-server") is None,
     reason="redis-server is not installed",
 )
 def test_redis_conf_keeps_a_granted_lock_across_kill_9(tmp_path: Path) -> None:
