@@ -1,0 +1,174 @@
+"""The shop's stock write is fenced: a buyer whose lease ran out cannot write.
+
+Two real gunicorn servers share one database and the five Redis nodes. Buyer A's
+request is held up past its product lock's lease, for real: either its server
+spends longer on the "payment" (SHOP_WORK_MS) than the lock's TTL, or its worker
+process is frozen with SIGSTOP in the middle of the view. Meanwhile buyer B, on
+the other server, takes the expired lock and sells. When A resumes it writes the
+stock it computed from its stale read: the fenced write is refused (409
+stale_lock), A gets no order, and the stock reflects B's sale only. Through the
+unfenced write of ``buy-unsafe`` the same sequence overwrites B's sale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._nodes import NodeSet
+from tests.test_shop import ShopServers, request, shop_servers
+
+__all__ = ["shop_servers"]  # the fixture, imported for the tests below
+
+LOCK_KEY = "redlock:lock:shop:product:{id}"
+
+
+def _seed(servers: ShopServers, stock: int) -> int:
+    seeded = servers.manage("seed_sale", "--stock", str(stock), "--name", "fenced")
+    assert seeded.returncode == 0, seeded.stderr
+    return int(seeded.stdout.strip().splitlines()[-1].removeprefix("product_id="))
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def _held_on(nodes: NodeSet, key: str) -> int:
+    return sum(bool(node.client().exists(key)) for node in nodes)
+
+
+def _in_background(
+    url: str, body: dict[str, Any]
+) -> tuple[threading.Thread, list[Any]]:
+    reply: list[Any] = []
+    thread = threading.Thread(target=lambda: reply.append(request("POST", url, body)))
+    thread.start()
+    return thread, reply
+
+
+def _audit(servers: ShopServers, product_id: int) -> tuple[int, dict[str, Any]]:
+    verified = servers.manage("verify_sale", "--product", str(product_id))
+    return verified.returncode, json.loads(verified.stdout)
+
+
+def _stale_sale(
+    servers: ShopServers,
+    nodes: NodeSet,
+    slow: str,
+    fast: str,
+    path: str,
+    pause: Callable[[], None] = lambda: None,
+    resume: Callable[[], None] = lambda: None,
+) -> tuple[tuple[int, dict[str, Any]], tuple[int, dict[str, Any]], int]:
+    """A buys on ``slow`` and is held up; B buys on ``fast`` after A's lease ran out.
+
+    Returns A's reply, B's reply and the product id.
+    """
+    product_id = _seed(servers, 10)
+    key = LOCK_KEY.format(id=product_id)
+
+    def url(base: str) -> str:
+        return f"{base}/shop/products/{product_id}/{path}/"
+
+    thread, a_reply = _in_background(url(slow), {"customer": "a-slow", "quantity": 1})
+    try:
+        if path == "buy":
+            # A holds the product lock: it is inside the view.
+            _wait_for(lambda: _held_on(nodes, key) >= 3, 10, "A to take the lock")
+            pause()
+            # A's lease runs out on every node while A is held up.
+            _wait_for(lambda: _held_on(nodes, key) == 0, 10, "A's lease to run out")
+        else:
+            time.sleep(0.5)  # no lock: give A the time to read the stock
+            pause()
+        b_reply = request("POST", url(fast), {"customer": "b-fast", "quantity": 1})
+    finally:
+        resume()
+        thread.join(30)
+    assert not thread.is_alive()
+    return a_reply[0], b_reply, product_id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_buyer_whose_lease_ran_out_during_payment_cannot_write_the_stock(
+    shop_servers: ShopServers, nodes: NodeSet
+) -> None:
+    """A's payment (1.5 s) outlasts its lease (0.3 s): B sells, A's write is refused."""
+    slow = shop_servers.start(workers=1, SHOP_WORK_MS="1500", REDLOCK_TTL="0.3")
+    fast = shop_servers.start(workers=1, SHOP_WORK_MS="0")
+    (a_status, a_body), (b_status, b_body), product_id = _stale_sale(
+        shop_servers, nodes, slow, fast, "buy"
+    )
+    assert b_status == 201, b_body
+    assert a_status == 409, a_body
+    assert a_body["error"] == "stale_lock"
+    # B's lock came after A's: a larger token, which the row now holds.
+    assert b_body["order"]["fencing_token"] > a_body["fencing_token"]
+    code, report = _audit(shop_servers, product_id)
+    assert (code, report["orders"], report["stock"], report["oversold"]) == (0, 1, 9, 0)
+    _, product = request("GET", f"{fast}/shop/products/{product_id}/")
+    assert product["stock"] == 9
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_same_sequence_without_fencing_overwrites_the_other_sale(
+    shop_servers: ShopServers, nodes: NodeSet
+) -> None:
+    """Negative control: through buy-unsafe's unfenced write, A's stale stock wins.
+
+    Both orders exist but the stock says only one unit left the shelf: one unit
+    is oversold (still on offer, though sold), and verify_sale exits 1.
+    """
+    slow = shop_servers.start(workers=1, SHOP_WORK_MS="1500")
+    fast = shop_servers.start(workers=1, SHOP_WORK_MS="0")
+    (a_status, a_body), (b_status, b_body), product_id = _stale_sale(
+        shop_servers, nodes, slow, fast, "buy-unsafe"
+    )
+    assert (a_status, b_status) == (201, 201), (a_body, b_body)
+    assert a_body["stock"] == b_body["stock"] == 9  # both computed 10 - 1
+    code, report = _audit(shop_servers, product_id)
+    assert (code, report["orders"], report["stock"], report["oversold"]) == (1, 2, 9, 1)
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in path.read_text().split()]
+
+
+@pytest.mark.skipif(
+    not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
+    reason="needs Linux /proc to find the gunicorn worker to SIGSTOP",
+)
+@pytest.mark.django_db(transaction=True)
+def test_a_buyer_frozen_mid_view_past_its_lease_cannot_write_the_stock(
+    shop_servers: ShopServers, nodes: NodeSet
+) -> None:
+    """A's worker process is SIGSTOPped holding the lock (TTL 0.5 s) until B sold."""
+    slow = shop_servers.start(workers=1, SHOP_WORK_MS="100", REDLOCK_TTL="0.5")
+    fast = shop_servers.start(workers=1, SHOP_WORK_MS="0")
+    (worker,) = _children(shop_servers.processes[0].pid)
+    (a_status, a_body), (b_status, b_body), product_id = _stale_sale(
+        shop_servers,
+        nodes,
+        slow,
+        fast,
+        "buy",
+        pause=lambda: os.kill(worker, signal.SIGSTOP),
+        resume=lambda: os.kill(worker, signal.SIGCONT),
+    )
+    assert b_status == 201, b_body
+    assert (a_status, a_body["error"]) == (409, "stale_lock"), a_body
+    code, report = _audit(shop_servers, product_id)
+    assert (code, report["orders"], report["stock"], report["oversold"]) == (0, 1, 9, 0)
