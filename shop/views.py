@@ -2,7 +2,7 @@
 
 ``POST /shop/products/<id>/buy/`` (JSON or form: ``customer``, ``quantity``):
 
-1. The input is validated before any lock or query: 400
+1. The input is validated before any lock is taken: 400
    ``{"error": "bad_request", "detail": <reason>}``. An unknown product is a 404
    ``{"error": "not_found", ...}``.
 2. ``@distributed_lock("shop:product:{product_id}", fencing=True)`` takes the
@@ -15,6 +15,15 @@
    order. A refused fenced write (a newer holder of the product lock wrote the
    row: this one's lease ran out while it worked) is a 409 ``stale_lock`` and
    creates no order. 201 ``{"order": {...}, "stock": <left>}``.
+
+What fencing covers. The write stores ``<read value> - quantity`` only where the
+row's token is older than this holder's. A holder paused past its lease, whose
+successor has written since, is refused: it cannot put back a stale stock. It
+does not cover a paused holder that resumes inside its successor's window, after
+the successor read the stock and before it wrote: the late write lands (no newer
+token is on the row yet) and the successor's write, computed from the earlier
+read, overwrites it. That takes a pause longer than the lease ending within the
+few milliseconds of someone else's payment.
 
 ``POST /shop/products/<id>/buy-unsafe/``: the same steps with no lock and an
 unfenced write of the absolute value: concurrent buyers read the same stock and
