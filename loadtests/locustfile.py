@@ -481,7 +481,7 @@ def _finish(environment: Environment) -> None:
     if RUN.finished or isinstance(environment.runner, WorkerRunner):
         return
     RUN.finished = True
-    if RUN.stopper is not None:
+    if RUN.stopper is not None and RUN.stopper is not gevent.getcurrent():
         RUN.stopper.kill(block=False)
     summary = summarize(environment)
     print_report(summary)
