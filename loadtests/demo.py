@@ -466,13 +466,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 @contextlib.contextmanager
 def signals_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into KeyboardInterrupt, like Ctrl-C, for cleanup."""
+    """Turn Ctrl-C, SIGTERM and SIGHUP into KeyboardInterrupt, for cleanup.
+
+    SIGINT is set explicitly: a shell starting the demo in the background leaves
+    it ignored, and Python then installs no handler of its own.
+    """
 
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {
-        sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)
+        sig: signal.signal(sig, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     }
     try:
         yield
