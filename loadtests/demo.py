@@ -171,6 +171,19 @@ def seed(env: dict[str, str], stock: int) -> int:
     return int(last.split("=", 1)[1])
 
 
+def verify(env: dict[str, str], product_id: int) -> int:
+    """Return the exit code of ``manage.py verify_sale`` (1: oversold)."""
+    command = [sys.executable, str(REPO / "manage.py"), "verify_sale"]
+    return subprocess.run(
+        [*command, "--product", str(product_id)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=120,
+    ).returncode
+
+
 def get_json(url: str, timeout: float = 2.0) -> Any:
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as reply:
@@ -315,7 +328,7 @@ class Demo:
             while process.poll() is None:
                 elapsed = time.monotonic() - started
                 try:
-                    audit = get_json(audit_url, timeout=1.0)
+                    audit = get_json(audit_url, timeout=2.0)
                     state = (
                         f"orders {audit['orders']:>4}  stock {audit['stock']:>4}  "
                         f"oversold {audit['oversold']:>3}"
@@ -342,6 +355,7 @@ class Demo:
         summary: dict[str, Any] = json.loads(summary_path.read_text())
         summary["mode"] = mode
         summary["locust_exit_code"] = process.returncode
+        summary["verify_sale_exit_code"] = verify(self.env, product_id)
         summary["html"] = str(html)
         return summary
 
@@ -392,6 +406,11 @@ class Demo:
         for summary in (unsafe, locked):
             html = self.rel(Path(summary["html"]))
             print(f"Locust report ({summary['endpoint']}): {html}")
+        print(
+            "manage.py verify_sale exit codes (1 = oversold): "
+            f"unsafe {unsafe['verify_sale_exit_code']}, "
+            f"locked {locked['verify_sale_exit_code']}"
+        )
         print(f"Logs: {self.rel(self.workdir)}/")
         problems: list[str] = []
         if not unsafe.get("oversold"):
@@ -401,6 +420,8 @@ class Demo:
             )
         if locked.get("oversold") or locked.get("oversold") is None:
             problems.append(f"the LOCKED run oversold: {locked.get('oversold')}")
+        if locked.get("verify_sale_exit_code") != 0:
+            problems.append("manage.py verify_sale failed on the locked run")
         if locked.get("locust_exit_code") != 0:
             reasons = "; ".join(locked.get("problems") or []) or (
                 f"{locked.get('failures')} failed requests"
