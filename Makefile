@@ -44,4 +44,5 @@ demo: $(STAMP)
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
-	rm -f tests/test.sqlite3 db.sqlite3
+	rm -rf .demo reports
+	rm -f tests/test.sqlite3 db.sqlite3 db.sqlite3-wal db.sqlite3-shm
