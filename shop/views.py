@@ -5,7 +5,7 @@
 1. The input is validated before any lock is taken: 400
    ``{"error": "bad_request", "detail": <reason>}``. An unknown product is a 404
    ``{"error": "not_found", ...}``.
-2. ``@distributed_lock("shop:product:{product_id}", fencing=True)`` takes the
+2. ``@distributed_lock(<the product's model_resource>, fencing=True)`` takes the
    product lock (waiting up to ``REDLOCK["WAIT_TIMEOUT"]``; 423 / 503 JSON from the
    decorator), then ``Redlock("shop:customer:<customer>")`` the customer lock,
    always in that order, so two locks never wait for each other crosswise.
@@ -61,6 +61,7 @@ from redlock_django import (
     Redlock,
     distributed_lock,
     fenced_update,
+    model_resource,
 )
 
 from .models import Order, Product, audit
@@ -220,7 +221,12 @@ def buy(request: HttpRequest, product_id: int) -> HttpResponse:
     return response
 
 
-@distributed_lock("shop:product:{product_id}", fencing=True)
+def _product_resource(request: HttpRequest, *args: Any, **kwargs: Any) -> str:
+    """Name the product's lock from its model and pk: ``shop.product:<id>``."""
+    return model_resource(Product, kwargs["product_id"])
+
+
+@distributed_lock(_product_resource, fencing=True)
 def _buy_locked(
     request: HttpRequest, product_id: int, customer: str, quantity: int
 ) -> HttpResponse:

@@ -94,7 +94,7 @@ def test_buy_answers_201_with_the_order_and_the_stock_left(
     # The next buyer gets the next token, and the locks are gone.
     status, body = buy(client, product.pk, "bob", 1, form=True)
     assert (status, body["order"]["fencing_token"], body["stock"]) == (201, 2, 6)
-    assert not Redlock(f"shop:product:{product.pk}").locked()
+    assert not Redlock(f"shop.product:{product.pk}").locked()
     assert not Redlock("shop:customer:alice").locked()
 
 
@@ -252,11 +252,11 @@ def test_a_product_lock_held_elsewhere_is_423(
     settings.REDLOCK = {**redlock_settings, "WAIT_TIMEOUT": 0.2}
     product = make_product(10)
     for node in nodes:
-        node.clog(f"{LOCK_PREFIX}shop:product:{product.pk}")
+        node.clog(f"{LOCK_PREFIX}shop.product:{product.pk}")
     status, body = buy(client, product.pk)
     assert status == 423
     assert body["error"] == "locked"
-    assert body["resource"] == f"shop:product:{product.pk}"
+    assert body["resource"] == f"shop.product:{product.pk}"
     product.refresh_from_db()
     assert (product.stock, Order.objects.count()) == (10, 0)
     # Negative control: the unsafe endpoint ignores the lock.

@@ -28,7 +28,7 @@ from tests.test_shop import ShopServers, request, shop_servers
 
 __all__ = ["shop_servers"]  # the fixture, imported for the tests below
 
-LOCK_KEY = "redlock:lock:shop:product:{id}"
+LOCK_KEY = "redlock:lock:shop.product:{id}"
 
 
 def _seed(servers: ShopServers, stock: int) -> int:
