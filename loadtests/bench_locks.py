@@ -1,0 +1,819 @@
+"""Side-by-side lock benchmark: redlock_django against its peers and the raw floors.
+
+One command starts its own ``redis-server`` nodes on loopback (as the tests do),
+configures Django itself, and measures:
+
+* uncontended acquire + release of a fresh key (cycles/s, p50/p99 latency) on 1, 3,
+  5 and 7 nodes for the raw floor (``SET NX PX`` then a compare-and-delete script,
+  every node written before any reply is read, over raw sockets), redlock_django
+  (default settings, and with ``fencing=True``) and pottery's ``Redlock``; on one
+  node also redis-py's ``Lock``, django-redis' ``cache.lock`` and python-redis-lock.
+  Every configuration runs once per rep, reps interleaved; the medians are shown.
+* contended: 4 processes on one key, each looping acquire / GET + SET a counter /
+  release for a fixed time: acquisitions/s, handoffs/s (owner changes), the median
+  handoff gap (previous holder starts releasing -> next holder's acquire returns),
+  the owner-change fraction, the smallest process share of the acquisitions
+  (starvation) and whether the counter equals the acquisitions (correctness).
+
+Usage::
+
+    .venv/bin/python -m loadtests.bench_locks            # about 3 minutes
+    .venv/bin/python -m loadtests.bench_locks --quick    # about 1 minute
+    .venv/bin/python -m loadtests.bench_locks --json out.json
+
+The peers come from the ``bench`` extra (``pip install -e '.[bench]'``). A peer
+that is not installed is skipped. Everything is bounded in time; every process and
+server started here is stopped at the end, including on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import platform
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import django
+import redis
+from django.conf import settings
+
+NODE_COUNTS = (1, 3, 5, 7)
+TTL_MS = 10_000
+#: Compare-and-delete, the floor's release (redis-py Lock's script, in spirit).
+RELEASE_LUA = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then "
+    "return redis.call('del', KEYS[1]) end return 0"
+)
+CONTENDERS = 4
+
+
+# --- the raw floor ------------------------------------------------------------------
+
+
+def _resp(*parts: bytes | str | int) -> bytes:
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        raw = part if isinstance(part, bytes) else str(part).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
+    return b"".join(out)
+
+
+class RawNode:
+    """One pipelined raw RESP socket: the cheapest way to talk to a node."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=2.0)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def line(self) -> bytes:
+        """Read one single-line reply (+OK, $-1, :1, -ERR ...)."""
+        while True:
+            end = self.buf.find(b"\r\n")
+            if end >= 0:
+                reply, self.buf = self.buf[:end], self.buf[end + 2 :]
+                return reply
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("node closed the connection")
+            self.buf += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class RawFloor:
+    """SET NX PX on every node, then compare-and-delete on every node.
+
+    Each phase writes to every node before reading any reply: one round trip per
+    phase whatever the node count, no thread, no pool, no parsing beyond a line.
+    """
+
+    def __init__(self, ports: Sequence[int]) -> None:
+        self.nodes = [RawNode(port) for port in ports]
+        self.quorum = len(self.nodes) // 2 + 1
+        sha = self._load()
+        self.release_head = b"EVALSHA", sha.encode(), b"1"
+
+    def _load(self) -> str:
+        shas = set()
+        for node in self.nodes:
+            node.send(_resp("SCRIPT", "LOAD", RELEASE_LUA))
+            header = node.line()  # $40
+            assert header.startswith(b"$"), header
+            shas.add(node.line().decode())
+        (sha,) = shas
+        return sha
+
+    def try_acquire(self, key: bytes, token: bytes) -> bool:
+        command = _resp(b"SET", key, token, b"NX", b"PX", TTL_MS)
+        for node in self.nodes:
+            node.send(command)
+        granted = sum(node.line() == b"+OK" for node in self.nodes)
+        return granted >= self.quorum
+
+    def release(self, key: bytes, token: bytes) -> None:
+        command = _resp(*self.release_head, key, token)
+        for node in self.nodes:
+            node.send(command)
+        for node in self.nodes:
+            node.line()
+
+    def cycle(self, key: str) -> None:
+        token = secrets.token_bytes(20)
+        raw = key.encode()
+        if not self.try_acquire(raw, token):
+            raise RuntimeError(f"the floor could not take the fresh key {key!r}")
+        self.release(raw, token)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+
+# --- the contestants ----------------------------------------------------------------
+
+
+def _client(port: int) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2.0)
+
+
+def _redlock_settings(urls: Sequence[str]) -> Any:
+    from django.test import override_settings
+
+    return override_settings(REDLOCK={"NODES": list(urls)})
+
+
+class Contestant:
+    """Builds a cycle(key) function for one library on a set of nodes.
+
+    ``setup`` returns (cycle, close); ``cycle`` acquires and releases ``key``.
+    """
+
+    def __init__(
+        self, name: str, counts: Sequence[int], setup: Callable[..., Any]
+    ) -> None:
+        self.name = name
+        self.counts = counts
+        self.setup = setup
+
+
+def setup_floor(ports: Sequence[int], urls: Sequence[str]) -> Any:
+    floor = RawFloor(ports)
+    return floor.cycle, floor.close
+
+
+def _setup_redlock(fencing: bool) -> Callable[..., Any]:
+    def setup(ports: Sequence[int], urls: Sequence[str]) -> Any:
+        from redlock_django import Redlock
+
+        override = _redlock_settings(urls)
+        override.enable()
+
+        def cycle(key: str) -> None:
+            lock = Redlock(key, fencing=fencing)
+            if not lock.acquire(blocking=False):
+                raise RuntimeError(f"redlock_django could not take {key!r}")
+            lock.release()
+
+        return cycle, override.disable
+
+    return setup
+
+
+def setup_pottery(ports: Sequence[int], urls: Sequence[str]) -> Any:
+    from pottery import Redlock
+
+    masters = {_client(port) for port in ports}
+
+    def cycle(key: str) -> None:
+        lock = Redlock(key=key, masters=masters)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError(f"pottery could not take {key!r}")
+        lock.release()
+
+    def close() -> None:
+        for client in masters:
+            client.close()
+
+    return cycle, close
+
+
+def setup_redis_py(ports: Sequence[int], urls: Sequence[str]) -> Any:
+    client = _client(ports[0])
+
+    def cycle(key: str) -> None:
+        lock = client.lock(key, timeout=TTL_MS / 1000)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError(f"redis-py Lock could not take {key!r}")
+        lock.release()
+
+    return cycle, client.close
+
+
+def setup_django_redis(ports: Sequence[int], urls: Sequence[str]) -> Any:
+    from django.core.cache import cache
+
+    def cycle(key: str) -> None:
+        lock = cache.lock(key, timeout=TTL_MS / 1000)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError(f"django-redis cache.lock could not take {key!r}")
+        lock.release()
+
+    return cycle, lambda: None
+
+
+def setup_python_redis_lock(ports: Sequence[int], urls: Sequence[str]) -> Any:
+    import redis_lock
+
+    client = _client(ports[0])
+
+    def cycle(key: str) -> None:
+        lock = redis_lock.Lock(client, key, expire=TTL_MS // 1000)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError(f"python-redis-lock could not take {key!r}")
+        lock.release()
+
+    return cycle, client.close
+
+
+def _installed(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def contestants() -> list[Contestant]:
+    made = [
+        Contestant("raw floor", NODE_COUNTS, setup_floor),
+        Contestant("redlock_django", NODE_COUNTS, _setup_redlock(fencing=False)),
+        Contestant("redlock_django fencing", NODE_COUNTS, _setup_redlock(fencing=True)),
+    ]
+    if _installed("pottery"):
+        made.append(Contestant("pottery Redlock", NODE_COUNTS, setup_pottery))
+    made.append(Contestant("redis-py Lock", (1,), setup_redis_py))
+    if _installed("django_redis"):
+        made.append(Contestant("django-redis cache.lock", (1,), setup_django_redis))
+    if _installed("redis_lock"):
+        made.append(Contestant("python-redis-lock", (1,), setup_python_redis_lock))
+    return made
+
+
+# --- uncontended --------------------------------------------------------------------
+
+
+@dataclass
+class Uncontended:
+    name: str
+    nodes: int
+    cycles_per_s: list[float] = field(default_factory=list)
+    p50_ms: list[float] = field(default_factory=list)
+    p99_ms: list[float] = field(default_factory=list)
+
+    def median(self, attr: str) -> float:
+        values = getattr(self, attr)
+        return statistics.median(values) if values else float("nan")
+
+
+def measure(cycle: Callable[[str], None], prefix: str, seconds: float) -> tuple:
+    """Run cycles on fresh keys for ``seconds``; return (cycles/s, p50, p99 ms)."""
+    clock = time.perf_counter
+    latencies: list[float] = []
+    started = clock()
+    end = started + seconds
+    i = 0
+    now = started
+    while now < end:
+        before = clock()
+        cycle(f"{prefix}:{i}")
+        now = clock()
+        latencies.append(now - before)
+        i += 1
+    elapsed = now - started
+    latencies.sort()
+    p50 = latencies[len(latencies) // 2]
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    return len(latencies) / elapsed, p50 * 1000, p99 * 1000
+
+
+def run_uncontended(
+    ports: Sequence[int], urls: Sequence[str], reps: int, seconds: float, warmup: int
+) -> list[Uncontended]:
+    results: dict[tuple[str, int], Uncontended] = {}
+    plan = [(c, n) for c in contestants() for n in c.counts]
+    for rep in range(reps):
+        # Interleave: every configuration once per rep, the order rotated each rep,
+        # so a slow phase of the machine does not fall on one contestant only.
+        shift = rep % len(plan)
+        for contestant, n in plan[shift:] + plan[:shift]:
+            cycle, close = contestant.setup(ports[:n], urls[:n])
+            try:
+                tag = f"u:{contestant.name.replace(' ', '-')}:{n}:{rep}"
+                for i in range(warmup):
+                    cycle(f"{tag}:warm:{i}")
+                rate, p50, p99 = measure(cycle, tag, seconds)
+            finally:
+                close()
+            result = results.setdefault(
+                (contestant.name, n), Uncontended(contestant.name, n)
+            )
+            result.cycles_per_s.append(rate)
+            result.p50_ms.append(p50)
+            result.p99_ms.append(p99)
+            print(
+                f"  rep {rep + 1}/{reps}  {contestant.name:<24} {n} node(s): "
+                f"{rate:8.0f} cycles/s  p50 {p50:.3f} ms  p99 {p99:.3f} ms",
+                flush=True,
+            )
+    return list(results.values())
+
+
+# --- contended ----------------------------------------------------------------------
+
+
+def _locker(kind: str, ports: Sequence[int], urls: Sequence[str], key: str) -> Any:
+    """Return (acquire, release) for one contended process; acquire blocks."""
+    if kind == "redlock_django":
+        from redlock_django import Redlock
+
+        lock = Redlock(key, nodes=list(urls))
+
+        def acquire() -> bool:
+            return lock.acquire(timeout=10.0)
+
+        return acquire, lock.release
+    if kind == "pottery":
+        from pottery import Redlock as PotteryRedlock
+
+        plock = PotteryRedlock(key=key, masters={_client(p) for p in ports})
+        return (lambda: plock.acquire(timeout=10.0)), plock.release
+    if kind == "redis-py":
+        rlock = _client(ports[0]).lock(key, timeout=10.0)
+        return (lambda: rlock.acquire(blocking_timeout=10.0)), rlock.release
+    if kind == "python-redis-lock":
+        import redis_lock
+
+        client = _client(ports[0])
+        state: dict[str, Any] = {}
+
+        def acquire_prl() -> bool:
+            state["lock"] = redis_lock.Lock(client, key, expire=10)
+            return bool(state["lock"].acquire(timeout=10))
+
+        return acquire_prl, lambda: state["lock"].release()
+    if kind == "raw spin":
+        floor = RawFloor(ports)
+        raw = key.encode()
+        held: dict[str, bytes] = {}
+
+        def acquire_spin() -> bool:
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:
+                token = secrets.token_bytes(20)
+                if floor.try_acquire(raw, token):
+                    held["token"] = token
+                    return True
+                floor.release(raw, token)  # undo the partial grants, retry at once
+            return False
+
+        return acquire_spin, lambda: floor.release(raw, held.pop("token"))
+    raise ValueError(kind)
+
+
+def _contender(
+    kind: str,
+    ports: Sequence[int],
+    urls: Sequence[str],
+    key: str,
+    start: float,
+    seconds: float,
+    ident: int,
+    out: Any,
+) -> None:
+    """One contended process: loop until start + seconds, send its events."""
+    try:
+        acquire, release = _locker(kind, ports, urls, key)
+        counter = _client(ports[0])
+        counter_key = f"{key}:counter"
+        events: list[tuple[float, float]] = []
+        failures = 0
+        end = start + seconds
+        time.sleep(max(0.0, start - time.monotonic()))
+        while time.monotonic() < end:
+            if not acquire():
+                failures += 1
+                continue
+            got = time.monotonic()
+            value = int(counter.get(counter_key) or 0)
+            counter.set(counter_key, value + 1)
+            done = time.monotonic()
+            release()
+            events.append((got, done))
+        out.send({"ident": ident, "events": events, "failures": failures})
+    except BaseException as exc:  # report, never hang the parent
+        out.send({"ident": ident, "error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        out.close()
+
+
+@dataclass
+class Contended:
+    name: str
+    nodes: int
+    seconds: float
+    acquisitions: int = 0
+    handoffs: int = 0
+    gap_ms: float = float("nan")
+    owner_change: float = float("nan")
+    shares: list[int] = field(default_factory=list)
+    counter: int = -1
+    failures: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def acq_per_s(self) -> float:
+        return self.acquisitions / self.seconds
+
+    @property
+    def handoffs_per_s(self) -> float:
+        return self.handoffs / self.seconds
+
+    @property
+    def min_share(self) -> float:
+        """The smallest process's acquisitions over a fair share (1.0 = fair)."""
+        if not self.shares or not self.acquisitions:
+            return 0.0
+        return min(self.shares) / (self.acquisitions / len(self.shares))
+
+    @property
+    def correct(self) -> bool:
+        return not self.errors and self.counter == self.acquisitions
+
+
+def run_contended(
+    kind: str, label: str, ports: Sequence[int], urls: Sequence[str], seconds: float
+) -> Contended:
+    key = f"c:{kind.replace(' ', '-')}:{len(ports)}:{secrets.token_hex(4)}"
+    context = multiprocessing.get_context("fork")
+    start = time.monotonic() + 0.5
+    pipes, procs = [], []
+    for ident in range(CONTENDERS):
+        parent_end, child_end = context.Pipe(duplex=False)
+        proc = context.Process(
+            target=_contender,
+            args=(kind, ports, urls, key, start, seconds, ident, child_end),
+            daemon=True,
+        )
+        proc.start()
+        child_end.close()
+        pipes.append(parent_end)
+        procs.append(proc)
+    result = Contended(label, len(ports), seconds)
+    reports = []
+    deadline = start + seconds + 25.0  # a blocked acquire gives up after 10 s
+    try:
+        for pipe in pipes:
+            if pipe.poll(max(0.1, deadline - time.monotonic())):
+                reports.append(pipe.recv())
+            else:
+                result.errors.append("a process did not report in time")
+    finally:
+        for proc in procs:
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    events: list[tuple[float, float, int]] = []
+    result.shares = [0] * CONTENDERS
+    for report in reports:
+        if "error" in report:
+            result.errors.append(report["error"])
+            continue
+        result.failures += report["failures"]
+        result.shares[report["ident"]] = len(report["events"])
+        events.extend((got, done, report["ident"]) for got, done in report["events"])
+    events.sort()
+    result.acquisitions = len(events)
+    gaps = []
+    for (_, done, owner), (got, _, nxt) in itertools.pairwise(events):
+        if nxt != owner:
+            result.handoffs += 1
+            gaps.append(got - done)
+    if gaps:
+        result.gap_ms = statistics.median(gaps) * 1000
+    if len(events) > 1:
+        result.owner_change = result.handoffs / (len(events) - 1)
+    with _client(ports[0]) as client:
+        result.counter = int(client.get(f"{key}:counter") or 0)
+    return result
+
+
+def contended_plan() -> list[tuple[str, str, int]]:
+    plan = [
+        ("redlock_django", "redlock_django", 5),
+        ("redlock_django", "redlock_django", 1),
+        ("raw spin", "raw spin loop", 5),
+        ("raw spin", "raw spin loop", 1),
+        ("redis-py", "redis-py Lock", 1),
+    ]
+    if _installed("pottery"):
+        plan.insert(2, ("pottery", "pottery Redlock", 5))
+    if _installed("redis_lock"):
+        plan.append(("python-redis-lock", "python-redis-lock", 1))
+    return plan
+
+
+# --- report -------------------------------------------------------------------------
+
+
+def _ratio(value: float, base: float | None) -> str:
+    if base is None or not base or value != value:
+        return "-"
+    return f"{value / base:.2f}x"
+
+
+def table(uncontended: list[Uncontended], contended: list[Contended]) -> str:
+    floor = {
+        r.nodes: r.median("cycles_per_s") for r in uncontended if r.name == "raw floor"
+    }
+    pottery = {
+        r.nodes: r.median("cycles_per_s")
+        for r in uncontended
+        if r.name == "pottery Redlock"
+    }
+    head = (
+        f"{'scenario':<36} {'nodes':>5} {'cycles/s':>9} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'handoff/s':>9} {'gap ms':>7} {'owner chg':>9} {'min share':>9} "
+        f"{'correct':>7} {'x floor':>8} {'x pottery':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in sorted(uncontended, key=lambda r: (r.nodes, r.name != "raw floor")):
+        rate = r.median("cycles_per_s")
+        lines.append(
+            f"{'uncontended ' + r.name:<36} {r.nodes:>5} {rate:>9.0f} "
+            f"{r.median('p50_ms'):>7.3f} {r.median('p99_ms'):>7.3f} "
+            f"{'':>9} {'':>7} {'':>9} {'':>9} {'':>7} "
+            f"{_ratio(rate, floor.get(r.nodes)):>8} "
+            f"{_ratio(rate, pottery.get(r.nodes)):>9}"
+        )
+    spin = {c.nodes: c.handoffs_per_s for c in contended if c.name == "raw spin loop"}
+    pot_c = {
+        c.nodes: c.handoffs_per_s for c in contended if c.name == "pottery Redlock"
+    }
+    lines.append("-" * len(head))
+    for c in contended:
+        lines.append(
+            f"{'contended ' + c.name:<36} {c.nodes:>5} {c.acq_per_s:>9.0f} "
+            f"{'':>7} {'':>7} {c.handoffs_per_s:>9.1f} {c.gap_ms:>7.2f} "
+            f"{c.owner_change:>9.0%} {c.min_share:>9.2f} "
+            f"{'yes' if c.correct else 'NO':>7} "
+            f"{_ratio(c.handoffs_per_s, spin.get(c.nodes)):>8} "
+            f"{_ratio(c.handoffs_per_s, pot_c.get(c.nodes)):>9}"
+        )
+    lines.append("")
+    lines.append(
+        "uncontended: cycles/s = acquire + release of a fresh key; median of the reps."
+    )
+    lines.append(
+        "contended: cycles/s = acquisitions/s of 4 processes on one key; handoff = "
+        "owner change; gap = previous holder starts release -> next acquire returns; "
+        "min share = smallest process's acquisitions / fair share; x floor / "
+        "x pottery compare handoffs/s with the raw spin loop / pottery at that "
+        "node count."
+    )
+    for c in contended:
+        for error in c.errors:
+            lines.append(f"ERROR {c.name} {c.nodes}: {error}")
+        if c.failures:
+            lines.append(f"note {c.name} {c.nodes}: {c.failures} acquire timeouts")
+    return "\n".join(lines)
+
+
+def targets(uncontended: list[Uncontended], contended: list[Contended]) -> str:
+    def u(name: str, n: int) -> float:
+        for r in uncontended:
+            if r.name == name and r.nodes == n:
+                return r.median("cycles_per_s")
+        return float("nan")
+
+    def c(name: str, n: int) -> Contended | None:
+        return next((x for x in contended if x.name == name and x.nodes == n), None)
+
+    checks = []
+    rd5, floor5, pot5 = (
+        u("redlock_django", 5),
+        u("raw floor", 5),
+        u("pottery Redlock", 5),
+    )
+    checks.append(
+        (
+            f"uncontended 5 nodes >= 0.7x floor ({rd5 / floor5:.2f}x)",
+            rd5 >= 0.7 * floor5,
+        )
+    )
+    checks.append(
+        (f"uncontended 5 nodes >= 6x pottery ({rd5 / pot5:.1f}x)", rd5 >= 6 * pot5)
+    )
+    rd1, rp1 = u("redlock_django", 1), u("redis-py Lock", 1)
+    checks.append(
+        (f"uncontended 1 node >= redis-py Lock ({rd1 / rp1:.2f}x)", rd1 >= rp1)
+    )
+    f5 = u("redlock_django fencing", 5)
+    # One extra round trip at most: the fenced cycle costs at most the plain cycle
+    # plus one more floor round trip (half a floor cycle).
+    budget = 1 / rd5 + 0.5 / floor5
+    checks.append(
+        (
+            f"fencing at most one extra round trip (5 nodes: {1000 / f5:.3f} ms vs "
+            f"budget {budget * 1000:.3f} ms)",
+            1 / f5 <= budget,
+        )
+    )
+    r5, s5, r1, p1 = (
+        c("redlock_django", 5),
+        c("raw spin loop", 5),
+        c("redlock_django", 1),
+        c("python-redis-lock", 1),
+    )
+    if r5 and s5:
+        checks.append(
+            (
+                f"contended 5 nodes handoffs/s >= raw spin ({r5.handoffs_per_s:.0f} vs "
+                f"{s5.handoffs_per_s:.0f})",
+                r5.handoffs_per_s >= s5.handoffs_per_s,
+            )
+        )
+        checks.append(
+            (f"contended 5 nodes median gap < 1 ms ({r5.gap_ms:.2f} ms)", r5.gap_ms < 1)
+        )
+    if r1 and p1:
+        checks.append(
+            (
+                f"contended 1 node handoffs/s >= python-redis-lock "
+                f"({r1.handoffs_per_s:.0f} vs {p1.handoffs_per_s:.0f})",
+                r1.handoffs_per_s >= p1.handoffs_per_s,
+            )
+        )
+    for x in (r5, r1):
+        if x:
+            checks.append(
+                (
+                    f"no starvation {x.nodes} node(s): owner change > 50% "
+                    f"({x.owner_change:.0%}), min share {x.min_share:.2f}",
+                    x.owner_change > 0.5 and x.min_share > 0.5,
+                )
+            )
+            checks.append((f"counter exact {x.nodes} node(s)", x.correct))
+    return "\n".join(f"  [{'met' if ok else 'NOT met'}] {text}" for text, ok in checks)
+
+
+def machine() -> dict[str, str]:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from tests._nodes import find_redis_server
+
+    version = subprocess.run(
+        [find_redis_server(), "--version"], capture_output=True, text=True
+    ).stdout.strip()
+    import importlib.metadata as md
+
+    peers = {}
+    for dist in ("redis", "django-redis", "pottery", "python-redis-lock", "Django"):
+        try:
+            peers[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            peers[dist] = "not installed"
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu,
+        "redis": version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        **peers,
+    }
+
+
+# --- main ---------------------------------------------------------------------------
+
+
+def configure(urls: Sequence[str]) -> None:
+    settings.configure(
+        INSTALLED_APPS=["redlock_django"],
+        REDLOCK={"NODES": list(urls[:5])},
+        CACHES={
+            "default": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": urls[0],
+                "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+            }
+        },
+        USE_TZ=True,
+    )
+    django.setup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Benchmark redlock_django against its peers and the raw floors."
+    )
+    parser.add_argument("--quick", action="store_true", help="about a minute")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--only", choices=("uncontended", "contended"), help="run one half only"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        reps, seconds, warmup, contended_seconds = 3, 0.25, 30, 3.0
+    else:
+        reps, seconds, warmup, contended_seconds = 5, 0.8, 100, 8.0
+
+    from tests._nodes import NodeSet
+
+    info = machine()
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-locks-") as tmp:
+        nodes = NodeSet.create(max(NODE_COUNTS), Path(tmp))
+        nodes.start_all()
+        try:
+            configure(nodes.urls)
+            ports, urls = nodes.ports, nodes.urls
+            uncontended: list[Uncontended] = []
+            contended: list[Contended] = []
+            began = time.monotonic()
+            if args.only != "contended":
+                print(f"uncontended: {reps} reps of {seconds}s per configuration")
+                uncontended = run_uncontended(ports, urls, reps, seconds, warmup)
+            if args.only != "uncontended":
+                print(f"contended: {CONTENDERS} processes, {contended_seconds}s each")
+                for kind, label, n in contended_plan():
+                    nodes.flush_all()
+                    result = run_contended(
+                        kind, label, ports[:n], urls[:n], contended_seconds
+                    )
+                    contended.append(result)
+                    print(
+                        f"  {label:<20} {n} node(s): {result.acq_per_s:7.0f} acq/s "
+                        f"{result.handoffs_per_s:7.1f} handoffs/s gap "
+                        f"{result.gap_ms:.2f} ms owner change "
+                        f"{result.owner_change:.0%} "
+                        f"shares {result.shares} counter "
+                        f"{'exact' if result.correct else 'WRONG'}",
+                        flush=True,
+                    )
+            print(f"\nran in {time.monotonic() - began:.0f}s\n")
+            print(table(uncontended, contended))
+            if uncontended and contended:
+                print("\nissue 5 targets (this run):")
+                print(targets(uncontended, contended))
+            if args.json:
+                args.json.write_text(
+                    json.dumps(
+                        {
+                            "machine": info,
+                            "quick": args.quick,
+                            "uncontended": [asdict(r) for r in uncontended],
+                            "contended": [
+                                {
+                                    **asdict(c),
+                                    "acq_per_s": c.acq_per_s,
+                                    "handoffs_per_s": c.handoffs_per_s,
+                                    "min_share": c.min_share,
+                                    "correct": c.correct,
+                                }
+                                for c in contended
+                            ],
+                        },
+                        indent=1,
+                    )
+                )
+        finally:
+            nodes.stop_all()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
