@@ -1,0 +1,712 @@
+"""Faults of the reliability matrix (issue 6) not covered elsewhere, injected for real.
+
+Each test names its scenario number in ``docs/reliability.md``. Lost replies come
+from ``tests/_proxy.py`` proxies, crashes from SIGKILL of real ``redis-server``s and
+of holder subprocesses (``tests/_holders.py``), script-cache loss from ``SCRIPT
+FLUSH``, and wall-clock jumps from libfaketime in a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.exceptions import NoScriptError
+
+from redlock_django import LockLostError, QuorumUnavailableError, Redlock
+from redlock_django.scripts import (
+    ACQUIRE_SCRIPT,
+    EXTEND_SCRIPT,
+    PTTL_SCRIPT,
+    RELEASE_SCRIPT,
+)
+from tests._nodes import NodeSet
+from tests._proxy import FaultProxy
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "redlock"
+DRIFT_FACTOR = 0.01
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
+def lock_key(resource: str) -> str:
+    return f"{PREFIX}:lock:{resource}"
+
+
+def token_on(node: Any, resource: str) -> bytes | None:
+    """Return the lock token on ``node``; a foreign string value reads as b"foreign"."""
+    with node.client() as client:
+        key = lock_key(resource)
+        if client.type(key) == b"string":
+            return b"foreign"
+        value: bytes | None = client.hget(key, "token")
+        return value
+
+
+def tokens(nodes: NodeSet, resource: str) -> list[bytes | None]:
+    return [token_on(node, resource) for node in nodes]
+
+
+def load_scripts(nodes: NodeSet) -> None:
+    for node in nodes:
+        with node.client() as client:
+            for script in (ACQUIRE_SCRIPT, RELEASE_SCRIPT, EXTEND_SCRIPT, PTTL_SCRIPT):
+                client.script_load(script.source)
+
+
+def script_calls(node: Any) -> dict[str, int]:
+    """Return how many EVAL and EVALSHA calls the node ran without error."""
+    with node.client() as client:
+        stats = client.info("commandstats")
+    calls = {}
+    for name in ("eval", "evalsha"):
+        entry = stats.get(f"cmdstat_{name}", {})
+        calls[name] = entry.get("calls", 0) - entry.get("failed_calls", 0)
+    return calls
+
+
+@dataclass(frozen=True)
+class Window:
+    """A holder's monotonic validity window: [start, end)."""
+
+    start: float
+    end: float
+
+    def overlaps(self, other: Window) -> bool:
+        return self.start < other.end and other.start < self.end
+
+
+def overlaps(windows: list[Window]) -> int:
+    """The overlap oracle: how many pairs of windows of one resource overlap."""
+    return sum(
+        1
+        for i, first in enumerate(windows)
+        for second in windows[i + 1 :]
+        if first.overlaps(second)
+    )
+
+
+def test_overlap_oracle_flags_intersecting_windows_only() -> None:
+    """The oracle counts pairs of windows that intersect, and nothing else."""
+    assert overlaps([Window(0, 1), Window(1, 2), Window(2.5, 3)]) == 0
+    assert overlaps([Window(0, 1), Window(0.5, 2), Window(1.5, 3)]) == 2
+
+
+@pytest.fixture
+def proxies(nodes: NodeSet) -> Iterator[list[FaultProxy]]:
+    """One fault proxy in front of each node, scripts preloaded, closed at teardown."""
+    load_scripts(nodes)
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(FaultProxy(node.port)) for node in nodes]
+
+
+# Scenario 4: SET applied, reply lost.
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_attempt_whose_replies_were_lost_clears_those_nodes_and_frees_the_lock(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    proxies: list[FaultProxy],
+    driver: str,
+) -> None:
+    """Three nodes run the acquire but their replies are lost: the attempt fails
+    with the quorum error, its clean-up still deletes the key on those three, and
+    the next client gets the lock at once instead of waiting out the 10 s lease."""
+    settings.REDLOCK = {**redlock_settings, "NODES": [p.url for p in proxies]}
+    for node in nodes:
+        with node.client() as client:
+            client.config_resetstat()
+    for proxy in proxies[:3]:
+        proxy.drop_reply_after_forward()
+    lock = Redlock("lost-replies")
+
+    with pytest.raises(QuorumUnavailableError) as raised:
+        if driver == "sync":
+            lock.acquire(blocking=False)
+        else:
+            asyncio.run(lock_call(lock.aacquire, blocking=False))
+    assert raised.value.granted == 2
+    assert len(raised.value.failed) == 3
+    for proxy in proxies[:3]:
+        proxy.pass_through()
+        # The node answered (the acquire ran), and the client never saw it.
+        assert proxy.swallowed_bytes > 0
+
+    for node in nodes[:3]:
+        calls = script_calls(node)
+        # One acquire by EVALSHA that ran, one clean-up by EVAL.
+        assert calls == {"eval": 1, "evalsha": 1}, calls
+    assert tokens(nodes, "lost-replies") == [None] * 5
+
+    started = time.monotonic()
+    other = Redlock("lost-replies")
+    assert run_in_thread(lambda: other.acquire(blocking=False))
+    assert time.monotonic() - started < 1.0
+
+
+async def lock_call(method: Any, **kwargs: Any) -> Any:
+    return await method(**kwargs)
+
+
+def run_in_thread(func: Any) -> Any:
+    """Run ``func`` in another thread (another lock owner) and return its result."""
+    out: list[Any] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            out.append(func())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(10)
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+# Scenario 5: two clients splitting the vote.
+
+
+def monitor(node: Any, stop: threading.Event, lines: list[str]) -> threading.Thread:
+    """Collect the node's MONITOR output (one line per command) until ``stop``."""
+    sock = socket.create_connection(("127.0.0.1", node.port), timeout=1.0)
+    sock.sendall(b"MONITOR\r\n")
+    reader = sock.makefile("rb")
+    assert reader.readline() == b"+OK\r\n"
+    sock.settimeout(0.05)
+
+    def run() -> None:
+        with contextlib.closing(sock), contextlib.closing(reader):
+            while not stop.is_set():
+                try:
+                    line = reader.readline()
+                except (TimeoutError, OSError):
+                    continue
+                if not line:
+                    return
+                lines.append(line.decode(errors="replace").rstrip())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_racing_clients_split_votes_yet_never_both_win_a_round(
+    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """With node 4 frozen, X and Y race for the 4 live nodes, each sending to
+    them in opposite order, for many rounds started by a barrier: a round has at
+    most one winner; some rounds split the vote and then nobody wins; and when
+    both wait, each gets the lock in turn with non-overlapping windows."""
+    settings.REDLOCK = {**redlock_settings, "NODE_TIMEOUT": 0.03}
+    urls = nodes.urls
+    x = Redlock("split", nodes=urls)
+    y = Redlock("split", nodes=list(reversed(urls)))
+    rounds = 40
+    barrier = threading.Barrier(2)
+    wins: dict[str, list[bool]] = {"x": [], "y": []}
+    errors: list[BaseException] = []
+    done = threading.Barrier(2)
+
+    def race(name: str, lock: Redlock) -> None:
+        try:
+            for _ in range(rounds):
+                barrier.wait(5)
+                won = lock.acquire(blocking=False)
+                wins[name].append(won)
+                done.wait(5)
+                if won:
+                    lock.release()
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+            done.abort()
+
+    with nodes[4].paused():
+        threads = [
+            threading.Thread(target=race, args=("x", x)),
+            threading.Thread(target=race, args=("y", y)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not errors, errors
+        both = sum(a and b for a, b in zip(wins["x"], wins["y"], strict=True))
+        split = sum(not (a or b) for a, b in zip(wins["x"], wins["y"], strict=True))
+        assert both == 0
+        print(f"split-vote rounds: {rounds}, no winner: {split}, two winners: {both}")
+        assert split < rounds
+
+        # Both wait: one wins at once, the other when it is released.
+        windows: list[Window] = []
+
+        def take(lock: Redlock) -> None:
+            barrier.wait(5)
+            assert lock.acquire(timeout=3.0)
+            start = time.monotonic()
+            time.sleep(0.1)
+            windows.append(Window(start, time.monotonic()))
+            lock.release()
+
+        barrier.reset()
+        takers = [threading.Thread(target=take, args=(lock,)) for lock in (x, y)]
+        for thread in takers:
+            thread.start()
+        for thread in takers:
+            thread.join(10)
+        assert len(windows) == 2
+        assert overlaps(windows) == 0
+
+
+def test_retries_are_jittered_apart_between_competing_clients(
+    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """Two clients waiting on a held lock retry at delays drawn from
+    [RETRY_DELAY, RETRY_DELAY + RETRY_JITTER]; seen on a node's MONITOR, their
+    retry gaps are not equal, so they do not stay in lock-step."""
+    settings.REDLOCK = {
+        **redlock_settings,
+        "RETRY_DELAY": 0.01,
+        "RETRY_JITTER": 0.04,
+    }
+    holder = Redlock("jitter")
+    assert holder.acquire(blocking=False)
+    lines: list[str] = []
+    stop = threading.Event()
+    watcher = monitor(nodes[0], stop, lines)
+    results: list[bool] = []
+
+    def wait(lock: Redlock) -> None:
+        results.append(lock.acquire(timeout=0.4))
+
+    waiters = [
+        threading.Thread(target=wait, args=(Redlock("jitter"),)) for _ in range(2)
+    ]
+    for thread in waiters:
+        thread.start()
+    for thread in waiters:
+        thread.join(5)
+    stop.set()
+    watcher.join(2)
+    holder.release()
+    assert results == [False, False]
+
+    # Acquire attempts by token: '<ts> [0 addr] "EVALSHA" "<sha>" "1" "<key>" "<token>"'
+    attempts: dict[str, list[float]] = {}
+    for line in lines:
+        if f'"EVALSHA" "{ACQUIRE_SCRIPT.sha}"' not in line:
+            continue
+        parts = line.split('"')
+        stamp, token = float(line.split()[0]), parts[9]
+        attempts.setdefault(token, []).append(stamp)
+    assert len(attempts) == 2, lines[:5]
+    gaps = {
+        # The last gap is cut short by the end of the wait: leave it out.
+        token: [b - a for a, b in itertools.pairwise(times)][:-1]
+        for token, times in attempts.items()
+    }
+    first, second = gaps.values()
+    assert len(first) >= 4 and len(second) >= 4
+    # Each gap is a node round trip plus a delay in [0.01, 0.05].
+    for gap in first + second:
+        assert 0.009 <= gap <= 0.05 + 0.1, gap
+    spread = max(first + second) - min(first + second)
+    assert spread > 0.01, gaps
+    assert first[:4] != second[:4]
+
+
+def test_own_leftover_key_from_a_failed_attempt_does_not_block_the_next_attempt(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    proxies: list[FaultProxy],
+) -> None:
+    """Attempt 1 lands on node 0 but both its reply and its clean-up are lost,
+    leaving our token there; attempt 2 counts that leftover as its own vote and
+    wins (nodes 0, 1, 2). The same leftover blocks any other client."""
+    settings.REDLOCK = {
+        **redlock_settings,
+        "NODES": [proxies[0].url, *nodes.urls[1:]],
+        "NODE_TIMEOUT": 0.2,
+        "RETRY_DELAY": 0.4,
+        "RETRY_JITTER": 0.0,
+    }
+    nodes[2].clog(lock_key("leftover"), ttl=0.5)
+    nodes[3].clog(lock_key("leftover"), ttl=10.0)
+    nodes[4].clog(lock_key("leftover"), ttl=10.0)
+    proxies[0].drop_reply_after_forward()
+    lock = Redlock("leftover")
+    before = proxies[0].requests
+    received = proxies[0].received_bytes
+    result: list[Any] = []
+    checked = threading.Event()
+
+    def acquire_then_release() -> None:
+        result.append(lock.acquire(timeout=3.0))
+        checked.wait(5)
+        if result[0]:
+            lock.release()
+
+    thread = threading.Thread(target=acquire_then_release)
+    thread.start()
+    try:
+        assert proxies[0].wait_for_request(2.0, since=before)
+        proxies[0].blackhole()  # the clean-up will not get through
+        deadline = time.monotonic() + 1.0
+        while (
+            proxies[0].received_bytes == received
+            or token_on(nodes[0], "leftover") is None
+        ):
+            assert time.monotonic() < deadline, "attempt 1 did not finish"
+            time.sleep(0.005)
+        time.sleep(0.05)  # the clean-up was read and swallowed
+        leftover = token_on(nodes[0], "leftover")
+        assert leftover is not None
+        # Another client is blocked by that leftover plus the foreign holders.
+        assert not run_in_thread(
+            lambda: Redlock("leftover", nodes=nodes.urls).acquire(blocking=False)
+        )
+        proxies[0].pass_through()
+        deadline = time.monotonic() + 3.0
+        while not result:
+            assert time.monotonic() < deadline, "attempt 2 did not finish"
+            time.sleep(0.01)
+        assert result == [True]
+        # One acquire call keeps one token across its attempts: the leftover
+        # was its own, refreshed by attempt 2.
+        assert tokens(nodes, "leftover")[:3] == [leftover] * 3
+    finally:
+        checked.set()
+        thread.join(5)
+    assert tokens(nodes, "leftover")[:3] == [None] * 3
+
+
+# Scenario 8: a node restarted at once, with and without persistence.
+
+
+def hold_in_thread(lock: Redlock, seconds: float = 0.0) -> tuple[bool, Window | None]:
+    """Acquire ``lock`` in another thread; return whether, and its validity window."""
+
+    def take() -> tuple[bool, Window | None]:
+        start = time.monotonic()
+        if not lock.acquire(blocking=False):
+            return False, None
+        return True, Window(start, time.monotonic() + lock.validity)
+
+    result: tuple[bool, Window | None] = run_in_thread(take)
+    return result
+
+
+def restart_a_holder_then_race(nodes: NodeSet, name: str) -> tuple[Redlock, Any]:
+    """A holds nodes 0-2 (a third party holds 3, 4); node 2 crashes and restarts
+    at once; the third party leaves; B tries. Return A and (B won, windows)."""
+    key = lock_key(name)
+    nodes[3].clog(key)
+    nodes[4].clog(key)
+    a = Redlock(name, nodes=nodes.urls)
+    start = time.monotonic()
+    assert a.acquire(blocking=False)
+    window_a = Window(start, time.monotonic() + a.validity)
+    token = token_on(nodes[0], name)
+    assert tokens(nodes, name) == [token, token, token, b"foreign", b"foreign"]
+    for node in nodes[3:]:
+        with node.client() as client:
+            client.delete(key)  # the third party released
+    nodes[2].kill()
+    nodes[2].start()
+    won, window_b = hold_in_thread(Redlock(name, nodes=nodes.urls))
+    windows = [window_a] if window_b is None else [window_a, window_b]
+    return a, (won, windows)
+
+
+def test_immediate_restart_without_persistence_double_grants_and_the_oracle_sees_it(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """Negative control, a documented limitation: a holder's node restarted at
+    once with no persistence comes back empty, so B wins nodes 2, 3, 4 while A's
+    lease still runs; the overlap oracle reports the double grant, and A learns
+    it only at release (LockLostError: 2 of 5 nodes still had its token)."""
+    a, (won, windows) = restart_a_holder_then_race(nodes, "restart-empty")
+    assert won
+    assert overlaps(windows) == 1
+    with pytest.raises(LockLostError, match="only 2/5 nodes"):
+        a.release()
+
+
+def test_immediate_restart_with_appendfsync_always_keeps_the_lock_exclusive(
+    redlock_settings: dict[str, Any], make_nodes: Any
+) -> None:
+    """The same crash and immediate restart on ``appendfsync always`` nodes: the
+    restarted node still has A's key with its lease, B gets 2 votes and is
+    refused, the oracle finds no overlap, and A releases normally."""
+    durable = make_nodes(5, appendfsync_always=True)
+    a, (won, windows) = restart_a_holder_then_race(durable, "restart-durable")
+    assert not won
+    assert overlaps(windows) == 0
+    with durable[2].client() as client:
+        assert 0 < client.pttl(lock_key("restart-durable")) <= 10_000
+    a.release()
+    assert tokens(durable, "restart-durable") == [None] * 5
+
+
+# Scenario 10: holder killed with kill -9; every key has a TTL.
+
+
+def start_holder(urls: list[str], *extra: str) -> tuple[subprocess.Popen[str], dict]:
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), env.get("PYTHONPATH")])
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests._holders",
+            "hold",
+            "--nodes",
+            ",".join(urls),
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        _, err = proc.communicate(5)
+        pytest.fail(f"the holder did not start: {err}")
+    return proc, json.loads(line)
+
+
+def keys_without_ttl(nodes: NodeSet) -> dict[int, list[str]]:
+    """SCAN the library's prefix on every node; return the keys with PTTL -1."""
+    found: dict[int, list[str]] = {}
+    for i, node in enumerate(nodes):
+        with node.client() as client:
+            for key in client.scan_iter(match=f"{PREFIX}:*", count=1000):
+                if client.pttl(key) == -1:
+                    found.setdefault(i, []).append(key.decode())
+    return found
+
+
+def test_killed_holders_lock_is_free_within_ttl_plus_one_retry_delay(
+    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A fenced, auto-extending holder process is killed with SIGKILL: its
+    watchdog dies with it, the next acquire succeeds no earlier than its lease
+    end and no later than TTL + one retry delay (+ a round trip) after the
+    holder's start, with a larger fencing token."""
+    ttl = 1.0
+    settings.REDLOCK = {**redlock_settings, "TTL": ttl}
+    proc, held = start_holder(
+        nodes.urls,
+        "--resource",
+        "killed",
+        "--ttl",
+        str(ttl),
+        "--fencing",
+        "--auto-extend",
+    )
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.communicate(5)
+    lock = Redlock("killed", fencing=True)
+    assert lock.acquire(timeout=3.0)
+    got = time.monotonic()
+    lock.release()
+    retry = redlock_settings["RETRY_DELAY"] + redlock_settings["RETRY_JITTER"]
+    assert got >= held["valid_until"]
+    assert got - held["started"] <= ttl + retry + redlock_settings["NODE_TIMEOUT"] + 0.1
+    assert held["fencing_token"] == 1
+
+
+def test_every_key_the_library_writes_has_a_ttl_except_fencing_counters(
+    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """After a killed holder, failed and contended attempts, a lost reply, the
+    watchdog and a fenced lock, a SCAN of the prefix on every node finds keys
+    with PTTL -1 only among the fencing counters (``redlock:fence:*``), which
+    live forever by design; the scan does find those, so it can see -1."""
+    settings.REDLOCK = {**redlock_settings, "TTL": 1.0}
+    proc, _ = start_holder(nodes.urls, "--resource", "scan-killed", "--auto-extend")
+    proc.kill()
+    proc.communicate(5)
+    fenced = Redlock("scan-fenced", fencing=True)
+    assert fenced.acquire(blocking=False)
+    watched = Redlock("scan-watched", auto_extend=True)
+    assert watched.acquire(blocking=False)
+    nodes[0].clog(lock_key("scan-contended"))
+    nodes[1].clog(lock_key("scan-contended"))
+    nodes[2].clog(lock_key("scan-contended"))
+    assert not run_in_thread(lambda: Redlock("scan-contended").acquire(timeout=0.1))
+    with nodes[4].paused():
+        kept = Redlock("scan-paused")
+        assert kept.acquire(blocking=False)
+    missing = keys_without_ttl(nodes)
+    watched.release()
+    fenced.release()
+    kept.release()
+    expected = {i: [f"{PREFIX}:fence:scan-fenced"] for i in range(5)}
+    assert missing == expected
+
+
+# Scenario 11: scripts flushed from every node.
+
+
+def flush_scripts(nodes: NodeSet) -> None:
+    for node in nodes:
+        with node.client() as client:
+            client.script_flush()
+            with pytest.raises(NoScriptError):
+                client.evalsha(ACQUIRE_SCRIPT.sha, 1, "probe", "t", 1000, "{}")
+
+
+def script_cached_everywhere(nodes: NodeSet, *scripts: Any) -> bool:
+    for node in nodes:
+        with node.client() as client:
+            if not all(client.script_exists(*(s.sha for s in scripts))):
+                return False
+    return True
+
+
+def test_scripts_reload_after_script_flush_on_every_node(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """SCRIPT FLUSH on all nodes before acquire, before extend, before locked and
+    before release: each operation still works (EVALSHA's NOSCRIPT is answered
+    with the source) and leaves the scripts cached again."""
+    lock = Redlock("noscript")
+    flush_scripts(nodes)
+    assert lock.acquire(blocking=False)
+    assert script_cached_everywhere(nodes, ACQUIRE_SCRIPT)
+    flush_scripts(nodes)
+    assert lock.extend()
+    assert script_cached_everywhere(nodes, EXTEND_SCRIPT)
+    flush_scripts(nodes)
+    assert lock.locked()
+    flush_scripts(nodes)
+    lock.release()
+    assert tokens(nodes, "noscript") == [None] * 5
+
+
+async def test_async_scripts_reload_after_script_flush_on_every_node(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The asyncio driver recovers from NOSCRIPT the same way."""
+    lock = Redlock("anoscript")
+    flush_scripts(nodes)
+    assert await lock.aacquire(blocking=False)
+    assert script_cached_everywhere(nodes, ACQUIRE_SCRIPT)
+    flush_scripts(nodes)
+    assert await lock.aextend()
+    assert script_cached_everywhere(nodes, EXTEND_SCRIPT)
+    flush_scripts(nodes)
+    assert await lock.alocked()
+    flush_scripts(nodes)
+    await lock.arelease()
+    assert tokens(nodes, "anoscript") == [None] * 5
+
+
+# Scenario 14: the client's wall clock jumps an hour.
+
+
+@pytest.mark.skipif(
+    not LIBFAKETIME.exists(),
+    reason=f"libfaketime missing ({LIBFAKETIME}): apt-get install faketime",
+)
+def test_wall_clock_jumps_leave_validity_waits_and_extension_unchanged(
+    nodes: NodeSet, tmp_path: Path
+) -> None:
+    """In a process whose wall clock jumps +1 h and -1 h (libfaketime, monotonic
+    time kept real), a held lock's validity falls by the real time passed, the
+    watchdog keeps a 0.6 s lease alive, waits that time out last their timeout,
+    and a waiter gets a released lock in real time."""
+    jump_file = tmp_path / "faketime"
+    jump_file.write_text("+0\n")
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        LD_PRELOAD=str(LIBFAKETIME),
+        FAKETIME_DONT_FAKE_MONOTONIC="1",
+        FAKETIME_TIMESTAMP_FILE=str(jump_file),
+        FAKETIME_NO_CACHE="1",
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests._holders",
+            "clockjump",
+            "--nodes",
+            ",".join(nodes.urls),
+            "--ttl",
+            "2.0",
+            "--jump-file",
+            str(jump_file),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    held = out["held"]
+    # The fault is real: the process's wall clock moved an hour each way.
+    assert 3599 < held["wall_jump_forward"] < 3601
+    # From +1 h to -1 h: two hours back.
+    assert -7201 < held["wall_jump_back"] < -7199
+    v0, v1, v2 = held["validity"]
+    assert v0 - v1 == pytest.approx(held["mono_1"], abs=0.02)
+    assert v1 - v2 == pytest.approx(held["mono_2"], abs=0.02)
+    assert held["owned"] == [True, True]
+    assert held["extended"] is True
+    assert held["validity_after_extend"] > 2.0 - 0.022 - 0.05
+    assert out["watchdog"] == {
+        "owned": True,
+        "lost": False,
+        "validity": out["watchdog"]["validity"],
+    }
+    assert out["watchdog"]["validity"] > 0.2
+    waits = out["waits"]
+    assert waits["timeout_forward"]["acquired"] is False
+    assert 0.45 <= waits["timeout_forward"]["waited"] < 1.0
+    assert waits["timeout_back"]["acquired"] is False
+    assert 0.45 <= waits["timeout_back"]["waited"] < 1.0
+    assert waits["handover"]["acquired"] is True
+    assert 0.25 <= waits["handover"]["waited"] < 1.0
+    assert waits["handover"]["validity"] > 1.5
+    # Documented libfaketime artefact: time.sleep() is EINVAL in this mode.
+    print(f"time.sleep under faketime: errno {out['time_sleep_error']}")
