@@ -710,7 +710,7 @@ def machine() -> dict[str, str]:
     return {
         "nproc": str(os.cpu_count()),
         "cpu": cpu,
-        "redis": version,
+        "redis-server": version,
         "python": platform.python_version(),
         "platform": platform.platform(),
         **peers,
