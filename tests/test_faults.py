@@ -465,6 +465,9 @@ def test_immediate_restart_with_appendfsync_always_keeps_the_lock_exclusive(
     a, (won, windows) = restart_a_holder_then_race(durable, "restart-durable")
     assert not won
     assert overlaps(windows) == 0
+    # The restarted node came back with A's token and lease: B never got it.
+    held_by = tokens(durable, "restart-durable")
+    assert held_by[2] == held_by[0] is not None
     with durable[2].client() as client:
         assert 0 < client.pttl(lock_key("restart-durable")) <= 10_000
     a.release()
