@@ -44,9 +44,11 @@ from .protocol import (
     LockSpec,
     Release,
     acquire_flow,
+    drift,
     extend_flow,
     locked_flow,
     release_flow,
+    validity,
     watchdog_flow,
 )
 
@@ -411,9 +413,17 @@ class Redlock:
             if self.node_timeout is not None
             else settings.node_timeout
         )
-        if node_timeout >= ttl:
+        drift_factor = (
+            self.drift_factor
+            if self.drift_factor is not None
+            else settings.drift_factor
+        )
+        if validity(ttl, node_timeout, drift_factor) <= 0:
+            # Even a reply at the node timeout would leave no validity: every
+            # attempt would be refused as too slow. Say so before sending anything.
             raise ValueError(
-                f"node_timeout ({node_timeout}s) must be much smaller than ttl ({ttl}s)"
+                f"ttl ({ttl}s) leaves no validity after node_timeout ({node_timeout}s) "
+                f"and the clock drift allowance ({drift(ttl, drift_factor):.3f}s)"
             )
         prefix = settings.key_prefix
         spec = LockSpec(
@@ -421,11 +431,7 @@ class Redlock:
             key=f"{prefix}:lock:{self.resource}",
             node_names=tuple(n.display for n in node_specs),
             ttl=ttl,
-            drift_factor=(
-                self.drift_factor
-                if self.drift_factor is not None
-                else settings.drift_factor
-            ),
+            drift_factor=drift_factor,
             retry_delay=(
                 self.retry_delay
                 if self.retry_delay is not None

@@ -578,3 +578,18 @@ async def test_release_with_a_minority_of_nodes_down_is_not_a_loss(
         node.stop()
     await api.release(lock)  # 3 released, 2 did not answer: still a clean release
     assert tokens(nodes[2:], "outage") == [None] * 3
+
+
+@pytest.mark.parametrize(
+    ("ttl", "node_timeout"), [(0.05, 0.049), (0.1, 0.1), (0.1, 0.5), (0.003, 0.001)]
+)
+def test_ttl_that_can_leave_no_validity_is_rejected_before_sending(
+    nodes: Any, redlock_settings: dict[str, Any], ttl: float, node_timeout: float
+) -> None:
+    lock = Redlock("tiny", ttl=ttl, node_timeout=node_timeout)
+    with pytest.raises(ValueError, match="leaves no validity"):
+        lock.acquire()
+    assert tokens(nodes, "tiny") == [None] * 5
+    # The control: a TTL with room for the timeout and the drift is granted.
+    with Redlock("tiny", ttl=0.2, node_timeout=node_timeout / 10):
+        assert None not in tokens(nodes, "tiny")

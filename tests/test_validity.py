@@ -370,7 +370,9 @@ def test_too_slow_fenced_acquisition_deletes_its_keys_before_they_expire(
         "slow-cleanup",
         nodes=[proxy.url for proxy in proxies],
         ttl=ttl,
-        node_timeout=0.6,
+        # Above the 350 ms delay, yet small enough that a reply at the timeout
+        # would still leave validity (1.0 - 0.55 - 0.402 > 0), as the lock requires.
+        node_timeout=0.55,
         drift_factor=drift_factor,
         fencing=True,
     )
