@@ -29,7 +29,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 from asgiref.sync import iscoroutinefunction
 
 from . import aio, nodes, signals, sync
-from .conf import NodeSpec, RedlockSettings, get_settings, parse_node
+from .conf import MAX_TTL, NodeSpec, RedlockSettings, get_settings, parse_node
 from .exceptions import (
     LockContentionError,
     LockError,
@@ -87,14 +87,22 @@ def check_resource(resource: object) -> str:
 
 
 def _check_seconds(name: str, value: float | None, *, allow_none: bool) -> None:
+    """Accept None (when allowed) or a positive, finite number of seconds.
+
+    The cap is the settings' (``MAX_TTL``, a day): a larger lease is almost surely
+    a unit mistake, and infinity cannot be sent to Redis as milliseconds.
+    """
     if value is None:
         if not allow_none:
             raise ValueError(f"{name} must be a number of seconds, not None")
         return
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number of seconds, not {value!r}")
-    if not value > 0:
-        raise ValueError(f"{name} must be positive, not {value!r}")
+    if not 0 < value <= MAX_TTL:  # also refuses NaN and infinity
+        raise ValueError(
+            f"{name} must be a positive number of seconds up to {MAX_TTL:g}, "
+            f"not {value!r}"
+        )
 
 
 @dataclass(frozen=True)

@@ -239,7 +239,7 @@ async def test_extend_rejects_a_non_positive_ttl_without_touching_the_lock(
 ) -> None:
     lock = Redlock("badttl", ttl=5.0)
     await api.acquire(lock)
-    for bad in (0, -1):
+    for bad in (0, -1, float("nan"), float("inf"), 86401):
         with pytest.raises(ValueError):
             await api.extend(lock, bad)
     assert min(pttls(nodes, "badttl")) > 4000
@@ -415,7 +415,12 @@ def test_bad_resource_names_are_rejected(resource: Any) -> None:
     [
         {"ttl": 0},
         {"ttl": -1},
+        {"ttl": float("nan")},
+        {"ttl": float("inf")},
+        {"ttl": 86401},
         {"max_hold": 0},
+        {"max_hold": float("inf")},
+        {"node_timeout": float("nan")},
         {"retry_delay": -0.1},
         {"drift_factor": 0.7},
         {"nodes": []},
