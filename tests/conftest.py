@@ -4,16 +4,19 @@
 - ``nodes``: the same five, each running, unpaused and empty when the test starts.
 - ``redlock_settings``: ``settings.REDLOCK`` pointed at ``nodes``, with short timings.
 - ``make_nodes``: a factory for extra servers (say 3 or 7) owned by one test.
+- ``hold``: acquire locks for a test, released (if still held) at its end.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from redlock_django import LockError, Redlock
 from tests._nodes import NodeSet
 
 NODE_COUNT = 5
@@ -85,3 +88,21 @@ def make_nodes(tmp_path: Path) -> Iterator[Callable[..., NodeSet]]:
     finally:
         for node_set in created:
             node_set.stop_all()
+
+
+@pytest.fixture
+def hold(redlock_settings: dict[str, Any]) -> Iterator[Callable[..., Redlock]]:
+    """Return ``hold(resource, **options)``: acquire a lock, released at teardown."""
+    held: list[Redlock] = []
+
+    def acquire(resource: str, **options: Any) -> Redlock:
+        lock = Redlock(resource, **options)
+        assert lock.acquire(blocking=False)
+        held.append(lock)
+        return lock
+
+    yield acquire
+    for lock in reversed(held):
+        # Some tests force-release or delete the keys: the lock may be gone.
+        with contextlib.suppress(LockError):
+            lock.release()

@@ -7,7 +7,7 @@ import getpass
 import io
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,23 +19,6 @@ from tests._nodes import NodeSet
 
 PASSWORD = "s3cret-pass"
 LOGGER = "redlock_django.management.commands.redlock"
-
-
-@pytest.fixture
-def hold(redlock_settings: dict[str, Any]) -> Iterator[Callable[..., Redlock]]:
-    """Return ``hold(resource, **options)``: acquire a lock, released at teardown."""
-    held: list[Redlock] = []
-
-    def acquire(resource: str, **options: Any) -> Redlock:
-        lock = Redlock(resource, **options)
-        assert lock.acquire(blocking=False)
-        held.append(lock)
-        return lock
-
-    yield acquire
-    for lock in reversed(held):
-        with contextlib.suppress(LockError):
-            lock.release()
 
 
 class Terminal(io.StringIO):

@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -30,24 +30,6 @@ from redlock_django.inspect import (
 from tests._nodes import NodeSet
 
 PASSWORD = "s3cret-pass"
-
-
-@pytest.fixture
-def hold(redlock_settings: dict[str, Any]) -> Iterator[Callable[..., Redlock]]:
-    """Return ``hold(resource, **options)``: acquire a lock, released at teardown."""
-    held: list[Redlock] = []
-
-    def acquire(resource: str, **options: Any) -> Redlock:
-        lock = Redlock(resource, **options)
-        assert lock.acquire(blocking=False)
-        held.append(lock)
-        return lock
-
-    yield acquire
-    for lock in reversed(held):
-        # Some tests force-release or delete the keys: the lock may be gone.
-        with contextlib.suppress(LockError):
-            lock.release()
 
 
 def key(resource: str) -> str:
