@@ -241,6 +241,13 @@ class _Watchdog:
                 self.hold.config.max_hold,
             )
 
+    def _crashed(self) -> None:
+        """An unexpected error ended the extensions: the lease can no longer be
+        trusted, so the holder learns it lost the lock."""
+        logger.exception("redlock %r watchdog failed", self.hold.config.spec.resource)
+        self.hold.lease.lost = "the watchdog failed"
+        _report_lost(self.hold, self.hold.lease.lost)
+
     # Blocking: a daemon thread whose sleeps end early when stopped.
 
     def start_thread(self) -> None:
@@ -289,8 +296,7 @@ class _Watchdog:
         except _Stopped:
             return
         except Exception:
-            logger.exception("redlock %r watchdog failed", config.spec.resource)
-            self.hold.lease.lost = "the watchdog failed"
+            self._crashed()
             return
         self._report()
 
@@ -311,8 +317,7 @@ class _Watchdog:
                 return
             raise
         except Exception:
-            logger.exception("redlock %r watchdog failed", config.spec.resource)
-            self.hold.lease.lost = "the watchdog failed"
+            self._crashed()
             return
         self._report()
 
