@@ -16,8 +16,8 @@ import redis
 import redis.asyncio
 from redis.exceptions import NoScriptError
 
+from .nodes import describe
 from .protocol import Fanout, NodeReply, Sleep, Step
-from .sync import describe
 
 __all__ = ["fanout", "run"]
 

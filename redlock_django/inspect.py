@@ -43,7 +43,6 @@ import redis
 from redis.exceptions import ResponseError
 
 from . import nodes as node_pools
-from . import sync
 from .conf import NodeSpec, RedlockSettings, get_settings
 from .lock import check_resource
 from .protocol import quorum
@@ -230,7 +229,7 @@ class _DeadlineError(Exception):
 
 def _reason(exc: Exception) -> str:
     """Say why a node failed, in a line with no credentials in it."""
-    return str(exc) if isinstance(exc, _DeadlineError) else sync.describe(exc)
+    return str(exc) if isinstance(exc, _DeadlineError) else node_pools.describe(exc)
 
 
 def _scan(client: redis.Redis, pattern: str) -> Iterable[bytes]:

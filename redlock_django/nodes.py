@@ -25,7 +25,7 @@ from redis.retry import Retry
 
 from .conf import NodeSpec, connection_params
 
-__all__ = ["async_clients", "reset", "sync_pools"]
+__all__ = ["async_clients", "describe", "reset", "sync_pools"]
 
 _lock = threading.Lock()
 _sync: dict[tuple[Any, ...], tuple[redis.ConnectionPool, ...]] = {}
@@ -41,6 +41,14 @@ _NO_SETINFO: dict[str, Any] = (
     if hasattr(redis.connection, "DriverInfo")
     else {"lib_name": None, "lib_version": None}
 )
+
+
+def describe(exc: BaseException) -> str:
+    """Say why a node failed, in a line with no credentials in it."""
+    if isinstance(exc, redis.TimeoutError | TimeoutError):
+        return "timed out"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
 
 
 def _kwargs(node: NodeSpec, timeout: float) -> tuple[type[Any], dict[str, Any]]:

@@ -15,22 +15,15 @@ from typing import Any, TypeVar
 import redis
 from redis.exceptions import NoScriptError
 
+from .nodes import describe
 from .protocol import Fanout, NodeReply, Sleep, Step
 
-__all__ = ["describe", "fanout", "run"]
+__all__ = ["fanout", "run"]
 
 T = TypeVar("T")
 
 #: The shortest read timeout: a zero timeout would make the socket non-blocking.
 _MIN_WAIT = 0.0001
-
-
-def describe(exc: BaseException) -> str:
-    """Say why a node failed, in a line with no credentials in it."""
-    if isinstance(exc, redis.TimeoutError | TimeoutError):
-        return "timed out"
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
 
 
 def _command(step: Fanout, by_sha: bool) -> tuple[Any, ...]:
