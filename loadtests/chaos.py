@@ -1,0 +1,746 @@
+"""``make chaos``: the flash sale under faults, and the invariants checked after it.
+
+Sets up what ``make demo`` sets up (its code is reused by import): five Redis
+nodes started here (this tool kills them, so ``REDLOCK_NODES`` is ignored), a
+fresh database, one product on sale, three gunicorn app servers with three sync
+workers each. Then one headless Locust run on the locked ``buy/`` endpoint, new
+customers buying and customers double-clicking (two POSTs at once, to two app
+servers), while a schedule injects real faults, each logged with its monotonic
+time since Locust started:
+
+1. SIGSTOP one Redis node (it keeps its connections and answers nothing), SIGCONT
+   it later;
+2. while it is paused, SIGKILL another node (2 of 5 unavailable: every lock needs
+   all 3 left) and restart it only after the delayed-restart rule: down for at
+   least the lock TTL plus drift plus a margin, so that no lock it granted can
+   still be alive when it comes back empty (the nodes persist nothing);
+3. SIGKILL one gunicorn worker (not the master) in the middle of the load; the
+   master starts a new one.
+
+When Locust ends, the sale is checked with ``manage.py verify_sale`` (the shop's
+own audit): units sold <= initial stock, initial - remaining == units sold ==
+orders, no customer with two orders, nothing oversold, no double click that made
+two orders. Refusals a sale expects (409, 423 and 503 with a JSON reason) and
+the connection errors of requests in flight on the killed worker are counted,
+not failed; any other 5xx fails the run.
+
+Negative controls: ``--unsafe`` runs the same chaos on ``buy-unsafe/`` (no lock),
+which oversells, so the checker must fail it; ``--restart-immediately`` breaks
+the delayed-restart rule (the killed node comes back empty at once) and reports
+what the checker saw.
+
+Exit code 0 when every invariant holds, 1 on any violation (or when the run
+could not be set up), 130 when interrupted. Everything started is stopped on
+the way out. Usage: python -m loadtests.chaos [--duration 75] [--users 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtests.demo import (
+    REPO,
+    Demo,
+    DemoError,
+    Progress,
+    get_json,
+    log_tail,
+    run_manage,
+    seed,
+    signals_as_interrupt,
+)
+
+# Answers of the buy view that a sale under faults expects: not failures.
+EXPECTED_STATUSES = ("201", "409", "423", "503")
+# Extra time the killed node stays down beyond TTL + drift: process scheduling
+# on a loaded 2-core machine, and the time a grant's reply takes to arrive.
+RESTART_MARGIN = 1.0
+DEFAULT_TTL = 5.0
+DRIFT_FACTOR = 0.01  # the library's default REDLOCK["DRIFT_FACTOR"]
+
+
+def restart_delay(ttl: float, drift_factor: float = DRIFT_FACTOR) -> float:
+    """Return how long a killed node must stay down before it may come back empty.
+
+    A lock key it held expires at most ``ttl`` after it was set, and clocks may
+    drift by ``ttl * drift_factor``: after that no lock it granted can be alive.
+    """
+    return ttl + ttl * drift_factor + RESTART_MARGIN
+
+
+# -- the checker ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """One invariant, whether it held, and the figures that show it."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+def check_sale(
+    audit: dict[str, Any],
+    *,
+    double_orders: int = 0,
+    double_clicks: int = 0,
+    server_errors: dict[str, int] | None = None,
+    verify_exit_code: int | None = None,
+) -> list[Check]:
+    """Return the invariants of a finished sale, each held or violated.
+
+    ``audit`` is ``shop.models.audit`` of the product (what ``verify_sale``
+    prints); ``double_orders`` / ``double_clicks`` come from Locust;
+    ``server_errors`` counts unexpected answers (5xx other than a 503 with a JSON
+    reason) by kind.
+    """
+    initial = int(audit["initial_stock"])
+    stock = int(audit["stock"])
+    sold = int(audit["units_sold"])
+    orders = int(audit["orders"])
+    duplicates = int(audit["duplicate_customers"])
+    oversold = int(audit["oversold"])
+    checks = [
+        Check("sold <= stock", sold <= initial, f"{sold} sold of {initial}"),
+        Check("remaining stock >= 0", stock >= 0, f"{stock} left"),
+        Check(
+            "initial - remaining == units sold",
+            initial - stock == sold,
+            f"{initial} - {stock} = {initial - stock}, units sold {sold}",
+        ),
+        Check(
+            "units sold == orders (1 unit each)",
+            sold == orders,
+            f"{sold} units, {orders} orders",
+        ),
+        Check(
+            "no customer with two orders",
+            duplicates == 0,
+            f"{duplicates} duplicate customers",
+        ),
+        Check("audit: nothing oversold", oversold == 0, f"oversold {oversold}"),
+        Check(
+            "no double click made two orders",
+            double_orders == 0,
+            f"{double_orders} of {double_clicks} double clicks",
+        ),
+    ]
+    if verify_exit_code is not None:
+        checks.append(
+            Check(
+                "manage.py verify_sale",
+                verify_exit_code == 0,
+                f"exit code {verify_exit_code}",
+            )
+        )
+    if server_errors is not None:
+        total = sum(server_errors.values())
+        detail = ", ".join(f"{k}: {v}" for k, v in sorted(server_errors.items()))
+        checks.append(
+            Check("no server errors (5xx but 503)", total == 0, detail or "none")
+        )
+    return checks
+
+
+def server_errors(outcomes: dict[str, int]) -> dict[str, int]:
+    """Return the outcomes that are HTTP errors a sale does not expect (5xx...)."""
+    return {
+        kind: count
+        for kind, count in outcomes.items()
+        if kind[:3].isdigit() and kind[:3] not in EXPECTED_STATUSES
+    }
+
+
+# -- faults ---------------------------------------------------------------------
+
+
+@dataclass
+class Fault:
+    """One fault-log line: monotonic seconds since Locust started, and what."""
+
+    at: float
+    action: str
+    detail: str
+    orders: int | None = None  # orders in the database just before it
+
+    def line(self) -> str:
+        orders = "" if self.orders is None else f"  [orders so far: {self.orders}]"
+        return f"+{self.at:6.2f} s  {self.action:<14} {self.detail}{orders}"
+
+
+@dataclass
+class Step:
+    """A scheduled fault: run ``do`` at ``at`` seconds into the Locust run."""
+
+    at: float
+    name: str
+    do: Callable[[], str]
+    done: bool = False
+
+
+def gunicorn_workers(master: int) -> list[int]:
+    """Return the pids of the worker processes of a gunicorn master (Linux)."""
+    workers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == master:  # fields: state, ppid, ...
+            workers.append(int(entry.name))
+    return sorted(workers)
+
+
+@dataclass
+class Sample:
+    at: float
+    orders: int
+    stock: int
+
+
+@dataclass
+class Sampler:
+    """Read the sale's audit about once a second, in a thread, for the timeline."""
+
+    url: str
+    started: float
+    samples: list[Sample] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                audit = get_json(self.url, timeout=3.0)
+                self.samples.append(
+                    Sample(
+                        time.monotonic() - self.started,
+                        int(audit["orders"]),
+                        int(audit["stock"]),
+                    )
+                )
+            self.stop.wait(1.0)
+
+    def latest(self) -> Sample | None:
+        return self.samples[-1] if self.samples else None
+
+    def orders_at(self, at: float) -> int | None:
+        before = [s for s in self.samples if s.at <= at]
+        return before[-1].orders if before else None
+
+
+# -- the run ----------------------------------------------------------------------
+
+
+class Chaos(Demo):
+    """The demo's setup, one Locust run, faults on a schedule, then the checks."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.workdir = REPO / ".demo" / "chaos"
+        self.faults: list[Fault] = []
+        self.started = 0.0
+        self.sampler: Sampler | None = None
+        self.monitor: tuple[str, subprocess.Popen[bytes], Path] | None = None
+        self.killed_at: float | None = None
+        self.run_seconds = 0.0
+        self.progress = Progress()
+        self.steps: list[Step] = []
+        self.delay = 0.0 if args.restart_immediately else restart_delay(args.ttl)
+
+    def start_redis(self) -> str:
+        # Always our own nodes, whatever REDLOCK_NODES says: they get killed.
+        sys.path.insert(0, str(REPO))
+        from tests._nodes import NodeSet
+
+        self.nodes = NodeSet.create(self.args.redis_nodes, self.workdir / "redis")
+        self.nodes.start_all()
+        self.env["REDLOCK_NODES"] = ",".join(self.nodes.urls)
+        ports = ", ".join(str(p) for p in self.nodes.ports)
+        return f"{len(self.nodes)} redis-server nodes on ports {ports}"
+
+    def start_servers(self, product_id: int) -> None:
+        # One more app server than Locust gets: it serves only the audit that the
+        # timeline samples, so busy or killed buy workers do not delay the samples.
+        self.args.servers += 1
+        try:
+            super().start_servers(product_id)
+        finally:
+            self.args.servers -= 1
+        self.monitor = self.servers.pop()
+        self.hosts = [host for host, _, _ in self.servers]
+
+    # -- fault actions -------------------------------------------------------------
+
+    def node_label(self, index: int) -> str:
+        node = self.nodes[index]
+        return f"redis node {index} (port {node.port}, pid {node.pid})"
+
+    def pause_node(self, index: int) -> str:
+        label = self.node_label(index)
+        self.nodes[index].pause()
+        return f"SIGSTOP {label}"
+
+    def resume_node(self, index: int, since: float) -> str:
+        self.nodes[index].resume()
+        return f"SIGCONT redis node {index} (paused {self.now() - since:.2f} s)"
+
+    def kill_node(self, index: int) -> str:
+        label = self.node_label(index)
+        self.nodes[index].kill()
+        self.killed_at = self.now()
+        # The delayed-restart rule counts from the moment the node is dead.
+        for step in self.steps:
+            if step.name == "restart":
+                step.at = self.killed_at + self.delay
+        return f"SIGKILL {label}"
+
+    def restart_node(self, index: int) -> str:
+        node = self.nodes[index]
+        port = node.port
+        down = self.now() - (self.killed_at or self.now())
+        node.start()
+        if node.port != port:
+            raise DemoError(
+                f"redis node {index} came back on port {node.port}, not {port}: the "
+                "app servers still point at the old port"
+            )
+        rule = restart_delay(self.args.ttl)
+        kept = "kept" if down >= rule else "BROKEN"
+        return (
+            f"restarted redis node {index} (pid {node.pid}), empty (no persistence), "
+            f"after {down:.2f} s down; delayed-restart rule (>= {rule:.2f} s) {kept}"
+        )
+
+    def kill_worker(self, server: int) -> str:
+        host, process, _ = self.servers[server]
+        workers = gunicorn_workers(process.pid)
+        if not workers:
+            raise DemoError(f"app server {host} (pid {process.pid}) has no workers")
+        victim = workers[0]
+        os.kill(victim, signal.SIGKILL)
+        # The master notices the death (SIGCHLD) and forks a replacement.
+        deadline = time.monotonic() + 10.0
+        replaced = ""
+        while time.monotonic() < deadline:
+            now = gunicorn_workers(process.pid)
+            fresh = sorted(set(now) - set(workers))
+            if victim not in now and fresh:
+                replaced = f"; replaced by pid {fresh[0]}"
+                break
+            time.sleep(0.05)
+        else:
+            replaced = "; NOT replaced within 10 s"
+        return (
+            f"SIGKILL gunicorn worker pid {victim} of {host} "
+            f"(master {process.pid}, {len(workers)} workers){replaced}"
+        )
+
+    def schedule(self) -> list[Step]:
+        """Return the faults of one run, times scaled to ``--duration``."""
+        args = self.args
+        duration = float(args.duration)
+        paused, killed = args.pause_node, args.kill_node
+        pause_at, resume_at = 0.10 * duration, 0.40 * duration
+        kill_at = 0.20 * duration
+        restart_at = kill_at + self.delay  # moved to the actual kill time + delay
+        worker_at = 0.60 * duration
+        steps = [
+            Step(pause_at, "pause", lambda: self.pause_node(paused)),
+            Step(resume_at, "resume", lambda: self.resume_node(paused, pause_at)),
+            Step(kill_at, "kill", lambda: self.kill_node(killed)),
+            Step(restart_at, "restart", lambda: self.restart_node(killed)),
+            Step(worker_at, "kill-worker", lambda: self.kill_worker(-1)),
+        ]
+        return sorted(steps, key=lambda step: step.at)
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    def run_step(self, step: Step) -> None:
+        orders = None
+        if self.sampler is not None and (sample := self.sampler.latest()):
+            orders = sample.orders
+        at = self.now()
+        detail = step.do()
+        step.done = True
+        fault = Fault(round(at, 2), step.name, detail, orders)
+        self.faults.append(fault)
+        self.progress.done(f"  {fault.line()}")
+
+    # -- one Locust run under the schedule ---------------------------------------
+
+    def run_locust_under_chaos(self, product_id: int) -> dict[str, Any]:
+        args = self.args
+        mode = "chaos-unsafe" if args.unsafe else "chaos"
+        html = self.reports / f"{mode}.html"
+        summary_path = self.workdir / f"locust-{mode}.json"
+        log = self.workdir / f"locust-{mode}.log"
+        scenario = "unsafe" if args.unsafe else "locked,double-click"
+        command = [
+            sys.executable, "-m", "locust",
+            "-f", str(REPO / "loadtests" / "locustfile.py"),
+            "--headless",
+            "-u", str(args.users),
+            "-r", str(args.spawn_rate),
+            "-t", f"{args.duration}s",
+            "--html", str(html),
+            "--only-summary",
+            "--app-hosts", ",".join(self.hosts),
+            "--product-id", str(product_id),
+            "--scenario", scenario,
+            "--expect-oversell", "no",
+            "--summary-json", str(summary_path),
+        ]  # fmt: skip
+        env = {k: v for k, v in self.env.items() if not k.startswith("LOCUST_")}
+        self.steps = steps = self.schedule()
+        self.progress = Progress()
+        process = self.children.start(f"locust:{mode}", command, env, log)
+        self.started = time.monotonic()
+        monitor = self.monitor[0] if self.monitor else self.hosts[0]
+        audit_url = f"{monitor}/shop/products/{product_id}/audit/"
+        self.sampler = Sampler(audit_url, self.started)
+        sampler = threading.Thread(target=self.sampler.run, daemon=True)
+        sampler.start()
+        try:
+            while process.poll() is None:
+                for step in steps:
+                    if not step.done and self.now() >= step.at:
+                        self.run_step(step)
+                pending = [s.at for s in steps if not s.done]
+                sample = self.sampler.latest()
+                state = (
+                    f"orders {sample.orders:>5}  stock {sample.stock:>5}"
+                    if sample
+                    else "(audit not available yet)"
+                )
+                self.progress.update(
+                    f"  {mode} {self.now():5.1f}/{args.duration} s  {state}"
+                )
+                wait = min([0.5, *(at - self.now() for at in pending)])
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(max(wait, 0.01))
+        finally:
+            if process.poll() is None:
+                self.children.stop(process)
+            self.sampler.stop.set()
+            # Whatever the run did not get to, undo it: nodes resumed and running.
+            for step in steps:
+                if not step.done and step.name in ("resume", "restart"):
+                    self.run_step(step)
+        self.run_seconds = self.now()
+        self.progress.done(
+            f"  {mode} done in {self.run_seconds:.1f} s "
+            f"(Locust exit code {process.returncode}; log {self.rel(log)})"
+        )
+        if not summary_path.exists():
+            raise DemoError(f"Locust wrote no summary; {log}:\n{log_tail(log)}")
+        summary: dict[str, Any] = json.loads(summary_path.read_text())
+        summary["locust_exit_code"] = process.returncode
+        summary["html"] = str(html)
+        return summary
+
+    def verify(self, product_id: int) -> tuple[int, dict[str, Any]]:
+        """Run ``manage.py verify_sale``; return its exit code and its audit."""
+        result = subprocess.run(
+            [
+                *(sys.executable, str(REPO / "manage.py"), "verify_sale"),
+                *("--product", str(product_id)),
+            ],
+            cwd=REPO,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+        if result.returncode == 2 or not lines:
+            raise DemoError(
+                f"verify_sale failed ({result.returncode}):\n"
+                f"{result.stdout}{result.stderr}"
+            )
+        audit: dict[str, Any] = json.loads(lines[-1])
+        return result.returncode, audit
+
+    def phases(self) -> list[dict[str, Any]]:
+        """Return the orders made between consecutive faults, until sold out."""
+        samples = self.sampler.samples if self.sampler else []
+        if not samples:
+            return []
+        sold_out = next((s.at for s in samples if s.stock <= 0), None)
+        end = min(self.run_seconds, sold_out or self.run_seconds)
+        bounds = [("start", 0.0), *((f.action, f.at) for f in self.faults)]
+        phases = []
+        stops = [*bounds[1:], ("end", end)]
+        for (name, start), (_, stop) in zip(bounds, stops, strict=True):
+            stop = min(stop, end)
+            first = self.sampler.orders_at(start) if self.sampler else None
+            last = self.sampler.orders_at(stop) if self.sampler else None
+            if stop - start < 0.5 or first is None or last is None:
+                continue
+            phases.append(
+                {
+                    "after": name,
+                    "from_s": round(start, 1),
+                    "to_s": round(stop, 1),
+                    "orders": last - first,
+                    "orders_per_s": round((last - first) / (stop - start), 1),
+                }
+            )
+        return phases
+
+    # -- the whole run --------------------------------------------------------------
+
+    def run(self) -> int:
+        args = self.args
+        began = time.monotonic()
+        self.prepare()
+        self.env["REDLOCK_TTL"] = str(args.ttl)
+        if args.work_ms is None:
+            self.env.setdefault("SHOP_WORK_MS", "5")
+        print(f"[1/5] Redis: {self.start_redis()}", flush=True)
+        run_manage(["migrate", "--noinput"], self.env)
+        product_id = seed(self.env, args.stock)
+        database = self.env["DATABASE_URL"]
+        shown = database if database.startswith("sqlite") else "DATABASE_URL"
+        print(
+            f"[2/5] database {shown}: product {product_id}, {args.stock} units",
+            flush=True,
+        )
+        self.start_servers(product_id)
+        ports = ", ".join(host.rsplit(":", 1)[1] for host in self.hosts)
+        print(
+            f"[3/5] {len(self.hosts)} app servers (gunicorn, {args.workers} sync "
+            f"workers each) on ports {ports}; lock TTL {args.ttl:g} s",
+            flush=True,
+        )
+        endpoint = (
+            "buy-unsafe/ (NO lock: negative control)"
+            if args.unsafe
+            else ("buy/ (Redlock), new customers and double clicks")
+        )
+        print(
+            f"[4/5] Locust on POST {endpoint}: {args.users} users, "
+            f"{args.duration} s, faults on schedule:",
+            flush=True,
+        )
+        setup_seconds = time.monotonic() - began
+        summary = self.run_locust_under_chaos(product_id)
+        verify_code, audit = self.verify(product_id)
+        print("[5/5] checked with manage.py verify_sale", flush=True)
+        outcomes: dict[str, int] = summary.get("outcomes") or {}
+        errors = server_errors(outcomes)
+        checks = check_sale(
+            audit,
+            double_orders=int(summary.get("double_orders") or 0),
+            double_clicks=int(summary.get("double_clicks") or 0),
+            server_errors=errors,
+            verify_exit_code=verify_code,
+        )
+        if args.restart_immediately:
+            checks.append(
+                Check(
+                    "delayed-restart rule",
+                    False,
+                    "broken on purpose (--restart-immediately)",
+                )
+            )
+        report = {
+            "mode": "unsafe" if args.unsafe else "locked",
+            "restart_immediately": args.restart_immediately,
+            "users": args.users,
+            "duration_s": args.duration,
+            "stock": args.stock,
+            "ttl_s": args.ttl,
+            "restart_delay_s": round(restart_delay(args.ttl), 2),
+            "servers": len(self.hosts),
+            "workers": args.workers,
+            "redis_nodes": len(self.nodes),
+            "setup_s": round(setup_seconds, 1),
+            "run_s": round(self.run_seconds, 1),
+            "requests": summary.get("requests"),
+            "requests_per_s": summary.get("requests_per_s"),
+            "failures": summary.get("failures"),
+            "p50_ms": summary.get("p50_ms"),
+            "p99_ms": summary.get("p99_ms"),
+            "outcomes": outcomes,
+            "double_clicks": summary.get("double_clicks"),
+            "audit": audit,
+            "verify_sale_exit_code": verify_code,
+            "faults": [asdict(fault) for fault in self.faults],
+            "timeline": [
+                asdict(s) for s in (self.sampler.samples if self.sampler else [])
+            ],
+            "checks": [asdict(check) for check in checks],
+            "ok": all(check.ok for check in checks),
+            "html": str(summary.get("html")),
+        }
+        report["phases"] = self.phases()
+        report["total_s"] = round(time.monotonic() - began, 1)
+        path = self.reports / ("chaos-unsafe.json" if args.unsafe else "chaos.json")
+        path.write_text(json.dumps(report, sort_keys=True, indent=1) + "\n")
+        if args.summary_json:
+            Path(args.summary_json).write_text(json.dumps(report, sort_keys=True))
+        print()
+        print(format_report(report))
+        print(
+            f"Report: {self.rel(path)}; Locust: {self.rel(Path(report['html']))}; "
+            f"logs: {self.rel(self.workdir)}/"
+        )
+        return 0 if report["ok"] else 1
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Return the human summary of a chaos run."""
+    audit = report["audit"]
+    outcomes = report["outcomes"]
+    lines = [
+        "=" * 78,
+        f"Flash sale under chaos: POST "
+        f"{'buy-unsafe/ (no lock)' if report['mode'] == 'unsafe' else 'buy/ (Redlock)'}"
+        f", {report['users']} users, {report['servers']} app servers x "
+        f"{report['workers']} workers, {report['redis_nodes']} Redis nodes, "
+        f"TTL {report['ttl_s']:g} s",
+        f"  time: setup {report['setup_s']} s, Locust {report['run_s']} s, "
+        f"total {report['total_s']} s (checks included)",
+        f"  requests {report['requests']} ({report['requests_per_s']}/s), "
+        f"Locust failures {report['failures']}, p50 {report['p50_ms']} ms, "
+        f"p99 {report['p99_ms']} ms",
+        "  answers: " + ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())),
+        f"  sale: {audit['initial_stock']} units, {audit['units_sold']} sold in "
+        f"{audit['orders']} orders, {audit['stock']} left, oversold "
+        f"{audit['oversold']}, duplicate customers {audit['duplicate_customers']}, "
+        f"double clicks {report['double_clicks']}",
+        "  faults (seconds since Locust started, monotonic):",
+    ]
+    lines += [f"    {Fault(**fault).line()}" for fault in report["faults"]]
+    if report.get("phases"):
+        lines.append("  orders between faults (from the audit, sampled each second):")
+        lines += [
+            f"    {p['from_s']:6.1f}-{p['to_s']:6.1f} s after {p['after']:<12} "
+            f"{p['orders']:>5} orders, {p['orders_per_s']:6.1f}/s"
+            for p in report["phases"]
+        ]
+    lines.append("  invariants:")
+    for check in report["checks"]:
+        mark = "ok  " if check["ok"] else "FAIL"
+        lines.append(f"    {mark} {check['name']}: {check['detail']}")
+    if report["ok"]:
+        lines.append("  RESULT: OK, every invariant held under the faults")
+    else:
+        failed = [c["name"] for c in report["checks"] if not c["ok"]]
+        lines.append(f"  RESULT: VIOLATED: {'; '.join(failed)}")
+    lines.append("=" * 78)
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.chaos",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
+    parser.add_argument("--duration", type=int, default=75, help="Locust seconds")
+    parser.add_argument("--users", type=int, default=40)
+    parser.add_argument("--spawn-rate", type=float, default=20.0)
+    parser.add_argument("--stock", type=int, default=2000)
+    parser.add_argument("--servers", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=3, help="per app server")
+    parser.add_argument("--redis-nodes", type=int, default=5)
+    parser.add_argument(
+        "--ttl",
+        type=float,
+        default=DEFAULT_TTL,
+        help="the lock TTL of the app servers (REDLOCK_TTL), seconds",
+    )
+    parser.add_argument("--pause-node", type=int, default=1)
+    parser.add_argument("--kill-node", type=int, default=3)
+    parser.add_argument(
+        "--work-ms",
+        type=int,
+        default=None,
+        help="simulated payment time inside the critical section (default 5)",
+    )
+    parser.add_argument(
+        "--unsafe",
+        action="store_true",
+        help="negative control: the same chaos on buy-unsafe/ (no lock)",
+    )
+    parser.add_argument(
+        "--restart-immediately",
+        action="store_true",
+        help="negative control: restart the killed node at once (rule broken)",
+    )
+    parser.add_argument("--reports-dir", default="reports")
+    parser.add_argument("--summary-json", default="", help="also write the report here")
+    args = parser.parse_args(argv)
+    args.stop_after_sold_out = None  # read by the demo's code, unused here
+    problems = []
+    if args.duration < 10:
+        problems.append("--duration must be at least 10 s")
+    if not 3 <= args.redis_nodes <= 15:
+        problems.append("--redis-nodes must be 3 to 15")
+    for name in ("pause_node", "kill_node"):
+        if not 0 <= getattr(args, name) < args.redis_nodes:
+            problems.append(f"--{name.replace('_', '-')} must be a node index")
+    if args.pause_node == args.kill_node:
+        problems.append("--pause-node and --kill-node must differ")
+    if not 0 < args.ttl <= 60:
+        problems.append("--ttl must be in (0, 60] seconds")
+    if args.users < 1 or args.stock < 1 or args.servers < 1 or args.workers < 1:
+        problems.append("--users, --stock, --servers and --workers must be >= 1")
+    restart_at = 0.2 * args.duration + restart_delay(args.ttl)
+    if not args.restart_immediately and restart_at > 0.9 * args.duration:
+        problems.append(
+            f"--duration {args.duration} is too short for the delayed-restart rule: "
+            f"the node would come back at {restart_at:.1f} s; use at least "
+            f"{restart_delay(args.ttl) / 0.7:.0f} s or a smaller --ttl"
+        )
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    chaos = Chaos(args)
+    started = time.monotonic()
+    try:
+        with signals_as_interrupt():
+            try:
+                code = chaos.run()
+            finally:
+                stoppers = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stoppers}
+                try:
+                    chaos.close()
+                finally:
+                    for sig, old in previous.items():
+                        signal.signal(sig, old)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopped every process the chaos run started", flush=True)
+        return 130
+    except DemoError as exc:
+        print(f"\nCHAOS RUN FAILED: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(f"({time.monotonic() - started:.0f} s in total)")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
