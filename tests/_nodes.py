@@ -152,6 +152,8 @@ class RedisNode:
     :meth:`start` and kept for every restart. With ``appendfsync_always`` the
     server writes an append-only file and fsyncs every write, so data survives
     :meth:`kill`; otherwise nothing is persisted and a restart comes back empty.
+    ``extra_args`` are appended to the command line (say ``["--replicaof",
+    "127.0.0.1", "7001"]``).
     """
 
     def __init__(
@@ -161,11 +163,13 @@ class RedisNode:
         port: int | None = None,
         appendfsync_always: bool = False,
         server: str | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.log_path = self.directory / "redis.log"
         self.appendfsync_always = appendfsync_always
+        self.extra_args = tuple(extra_args)
         self.server = server or find_redis_server()
         self._port = port
         self._fixed_port = port is not None
@@ -278,6 +282,21 @@ class RedisNode:
         self.stop()
         self.start()
 
+    def crash_and_restart(self, delay: float = 0.0) -> float:
+        """Kill the server (SIGKILL), wait ``delay`` seconds, start it again.
+
+        The delayed-restart rule of the Redlock spec: a node without persistence
+        comes back empty, so it must stay down for at least the longest lock TTL
+        (plus drift) for no lease it granted to still be running when it returns.
+        ``delay=0`` breaks the rule on purpose. Return the seconds it was down.
+        """
+        self.kill()
+        down = time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        self.start()
+        return time.monotonic() - down
+
     def pause(self) -> None:
         """Freeze the server with SIGSTOP: connections open, nothing answered.
 
@@ -361,7 +380,7 @@ class RedisNode:
             command += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
             command += ["--appendonly", "no"]
-        return command
+        return command + list(self.extra_args)
 
     def _spawn_and_wait(self, timeout: float) -> None:
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0

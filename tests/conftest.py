@@ -5,6 +5,7 @@
 - ``redlock_settings``: ``settings.REDLOCK`` pointed at ``nodes``, with short timings.
 - ``make_nodes``: a factory for extra servers (say 3 or 7) owned by one test.
 - ``hold``: acquire locks for a test, released (if still held) at its end.
+- ``matrix`` / ``matrix_recorder``: the fault-matrix figures (``tests/_matrix.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from redlock_django import LockError, Redlock
+from tests._matrix import matrix, matrix_recorder  # noqa: F401  (fixtures)
 from tests._nodes import NodeSet
 
 NODE_COUNT = 5

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,15 @@ from redlock_django.scripts import (
     EXTEND_SCRIPT,
     PTTL_SCRIPT,
     RELEASE_SCRIPT,
+)
+from tests._api import make_api
+from tests._matrix import (
+    Matrix,
+    Tally,
+    Window,
+    overlaps,
+    scenario_test_id,
+    unexpected_keys_without_ttl,
 )
 from tests._nodes import NodeSet
 from tests._proxy import FaultProxy
@@ -81,31 +89,29 @@ def script_calls(node: Any) -> dict[str, int]:
     return calls
 
 
-@dataclass(frozen=True)
-class Window:
-    """A holder's monotonic validity window: [start, end)."""
-
-    start: float
-    end: float
-
-    def overlaps(self, other: Window) -> bool:
-        return self.start < other.end and other.start < self.end
-
-
-def overlaps(windows: list[Window]) -> int:
-    """The overlap oracle: how many pairs of windows of one resource overlap."""
-    return sum(
-        1
-        for i, first in enumerate(windows)
-        for second in windows[i + 1 :]
-        if first.overlaps(second)
-    )
-
-
 def test_overlap_oracle_flags_intersecting_windows_only() -> None:
     """The oracle counts pairs of windows that intersect, and nothing else."""
     assert overlaps([Window(0, 1), Window(1, 2), Window(2.5, 3)]) == 0
     assert overlaps([Window(0, 1), Window(0.5, 2), Window(1.5, 3)]) == 2
+
+
+@pytest.fixture(autouse=True)
+def keys_keep_their_ttl(
+    request: pytest.FixtureRequest, matrix_recorder: Matrix
+) -> Iterator[None]:
+    """After every test here, no library key on the session's nodes lacks a TTL.
+
+    Scenario 10's rule, checked after every scenario: a SCAN of ``redlock:*`` on
+    each running node finds PTTL -1 only on fencing counters. Tests on nodes of
+    their own (``make_nodes``) scan those themselves with ``Tally.scan``.
+    """
+    yield
+    if "nodes" not in request.fixturenames:
+        return
+    redis_nodes: NodeSet = request.getfixturevalue("redis_nodes")
+    found = unexpected_keys_without_ttl(redis_nodes)
+    matrix_recorder.scanned(scenario_test_id(request), len(found))
+    assert found == [], f"library keys without a TTL: {found}"
 
 
 @pytest.fixture
@@ -713,3 +719,273 @@ def test_wall_clock_jumps_leave_validity_waits_and_extension_unchanged(
     assert waits["handover"]["validity"] > 1.5
     # Documented libfaketime artefact: time.sleep() is EINVAL in this mode.
     print(f"time.sleep under faketime: errno {out['time_sleep_error']}")
+
+
+# The fault matrix: one test per scenario that runs many operations under its
+# fault, checks them with the overlap oracle and records the figures
+# (tests/_matrix.py; docs/reliability.md publishes one run).
+
+
+def proxied(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    proxies: list[FaultProxy],
+    **more: Any,
+) -> None:
+    """Point ``settings.REDLOCK`` at the proxies, with ``more`` settings."""
+    settings.REDLOCK = {**redlock_settings, "NODES": [p.url for p in proxies], **more}
+
+
+async def timed_acquire(tally: Tally, api: Any, lock: Redlock, **kwargs: Any) -> bool:
+    """Acquire through ``api`` inside a tally attempt; return whether granted."""
+    with tally.attempt() as attempt:
+        attempt.ok = await api.acquire(lock, **kwargs)
+    return attempt.ok
+
+
+def contend(
+    tally: Tally,
+    resource: str,
+    *,
+    threads: int = 2,
+    tasks: int = 2,
+    each: int = 5,
+    hold: float = 0.005,
+    timeout: float = 5.0,
+    **options: Any,
+) -> list[Window]:
+    """Let ``threads`` sync owners and ``tasks`` asyncio owners race for
+    ``resource``, ``each`` acquisitions apiece; return their held windows.
+
+    A window runs from the moment acquire() returned to the earlier of the
+    release call and the end of the validity the lock reported.
+    """
+    windows: list[Window] = []
+    errors: list[BaseException] = []
+    guard = threading.Lock()
+
+    def keep(got: float, valid_until: float) -> None:
+        with guard:
+            windows.append(Window(got, min(time.monotonic(), valid_until)))
+
+    def sync_owner() -> None:
+        lock = Redlock(resource, **options)
+        try:
+            for _ in range(each):
+                with tally.attempt() as attempt:
+                    attempt.ok = lock.acquire(timeout=timeout)
+                if attempt.ok:
+                    got = time.monotonic()
+                    valid_until = got + lock.validity
+                    time.sleep(hold)
+                    keep(got, valid_until)
+                    lock.release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    async def task_owner() -> None:
+        lock = Redlock(resource, **options)
+        for _ in range(each):
+            with tally.attempt() as attempt:
+                attempt.ok = await lock.aacquire(timeout=timeout)
+            if attempt.ok:
+                got = time.monotonic()
+                valid_until = got + lock.validity
+                await asyncio.sleep(hold)
+                keep(got, valid_until)
+                await lock.arelease()
+
+    def loop_owner() -> None:
+        async def main() -> None:
+            await asyncio.gather(*(task_owner() for _ in range(tasks)))
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=sync_owner) for _ in range(threads)]
+    if tasks:
+        workers.append(threading.Thread(target=loop_owner))
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert not errors, errors
+    return windows
+
+
+# Scenario 1.
+
+
+@pytest.mark.parametrize("fault", ["blackhole", "pause"])
+def test_matrix_two_of_five_nodes_black_holed_or_paused_grant_one_holder_at_a_time(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    proxies: list[FaultProxy],
+    matrix: Any,
+    fault: str,
+) -> None:
+    """Nodes 3 and 4 swallow every request (proxy black hole) or are frozen
+    (SIGSTOP): two sync threads and two asyncio tasks still take turns on
+    the lock, every acquisition succeeds, no two held windows overlap, and an
+    uncontended acquire costs about one NODE_TIMEOUT, not redis-py's 5 s."""
+    # The conftest's 0.1 s: with two nodes silent, one slow healthy node on a
+    # loaded 2-core box would already cost the quorum.
+    proxied(settings, redlock_settings, proxies)
+    tally = matrix(1)
+    if fault == "blackhole":
+        for proxy in proxies[3:]:
+            proxy.blackhole()
+    else:
+        for node in nodes[3:]:
+            node.pause()
+
+    async def alone(mode: str) -> float:
+        api = make_api(mode)
+        lock = Redlock(f"m1-alone-{mode}")
+        try:
+            start = time.monotonic()
+            assert await timed_acquire(tally, api, lock, blocking=False)
+            took = time.monotonic() - start
+            await api.release(lock)
+            return took
+        finally:
+            await api.aclose()
+
+    for mode in ("sync", "async"):
+        # Bounded by NODE_TIMEOUT (0.1 s); 1 s leaves room for a loaded box.
+        assert asyncio.run(alone(mode)) < 1.0
+    windows = contend(tally, "m1", threads=2, tasks=2, each=4)
+    assert len(windows) == 16
+    assert tally.check(windows) == 0
+    if fault == "blackhole":
+        # The fault is real: the black-holed nodes were sent requests and
+        # answered none of them.
+        for proxy in proxies[3:]:
+            assert proxy.received_bytes > 0 and proxy.reply_bytes == 0
+        assert tokens(nodes, "m1")[3:] == [None, None]
+
+
+# Scenario 2.
+
+
+@pytest.mark.parametrize("fault", ["killed", "paused"])
+def test_matrix_three_of_five_nodes_down_fail_fast_and_leave_nothing_behind(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    matrix: Any,
+    fault: str,
+) -> None:
+    """With nodes 0-2 killed or frozen, sync and async acquisitions with a 2 s
+    wait each raise QuorumUnavailableError at once instead of waiting, a
+    function decorated with the lock never runs, and the live nodes keep no key."""
+    settings.REDLOCK = {**redlock_settings, "NODE_TIMEOUT": 0.05}
+    tally = matrix(2)
+    for node in nodes[:3]:
+        if fault == "killed":
+            node.kill()
+        else:
+            node.pause()
+
+    async def attempts(mode: str, count: int) -> list[float]:
+        api = make_api(mode)
+        took = []
+        try:
+            for _ in range(count):
+                lock = Redlock("m2")
+                start = time.monotonic()
+                with pytest.raises(QuorumUnavailableError):
+                    await timed_acquire(tally, api, lock, timeout=2.0)
+                took.append(time.monotonic() - start)
+        finally:
+            await api.aclose()
+        return took
+
+    took = asyncio.run(attempts("sync", 10)) + asyncio.run(attempts("async", 10))
+    # An outage is not contention: no retrying until the 2 s wait runs out.
+    assert max(took) < 1.0, took
+    ran: list[int] = []
+
+    @Redlock("m2-decorated")
+    def protected() -> None:
+        ran.append(1)
+
+    with pytest.raises(QuorumUnavailableError):
+        protected()
+    assert ran == []
+    assert [token_on(node, "m2") for node in nodes[3:]] == [None, None]
+    assert [token_on(node, "m2-decorated") for node in nodes[3:]] == [None, None]
+
+
+# Scenario 3.
+
+
+def test_matrix_latency_shortens_validity_and_too_slow_attempts_are_refused(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    proxies: list[FaultProxy],
+    matrix: Any,
+) -> None:
+    """Three latencies behind the proxies. 30 ms on every reply: each grant's
+    validity is TTL - elapsed - drift, bounded by the caller's own clock. Three
+    nodes slower than NODE_TIMEOUT: refused, and the two nodes that granted are
+    cleared at once, not after the 10 s lease. A fenced attempt whose two round
+    trips add up to more than its TTL: refused as too slow, nothing left."""
+    tally = matrix(3)
+    ttl = 2.0
+    proxied(settings, redlock_settings, proxies, NODE_TIMEOUT=0.2, TTL=ttl)
+    for proxy in proxies:
+        proxy.delay(0.03)
+
+    async def moderate(mode: str) -> None:
+        api = make_api(mode)
+        try:
+            for _ in range(6):
+                lock = Redlock("m3-moderate")
+                before = time.monotonic()
+                assert await timed_acquire(tally, api, lock, blocking=False)
+                left = await api.look(lock, "validity")
+                after = time.monotonic()
+                allowance = ttl * DRIFT_FACTOR + 0.002
+                assert ttl - allowance - (after - before) <= left
+                assert left <= ttl - allowance - 0.03
+                await api.release(lock)
+        finally:
+            await api.aclose()
+
+    asyncio.run(moderate("sync"))
+    asyncio.run(moderate("async"))
+
+    # Nodes 0-2 answer after NODE_TIMEOUT; 3 and 4 at once.
+    for proxy in proxies[:3]:
+        proxy.delay(0.3)
+    for proxy in proxies[3:]:
+        proxy.pass_through()
+
+    async def too_slow(mode: str, resource: str, count: int, **options: Any) -> None:
+        api = make_api(mode)
+        try:
+            for _ in range(count):
+                lock = Redlock(resource, **options)
+                with pytest.raises(QuorumUnavailableError):
+                    await timed_acquire(tally, api, lock, blocking=False)
+                # The clean-up already ran: nothing waits for the lease to end.
+                assert tokens(nodes, resource) == [None] * 5
+        finally:
+            await api.aclose()
+
+    asyncio.run(too_slow("sync", "m3-partial", 2, ttl=10.0))
+    asyncio.run(too_slow("async", "m3-partial", 2, ttl=10.0))
+
+    # Fenced: two round trips of 0.17 s each outlast a 0.3 s lease.
+    for proxy in proxies:
+        proxy.delay(0.17)
+    options = {"ttl": 0.3, "fencing": True, "node_timeout": 0.2}
+    asyncio.run(too_slow("sync", "m3-fenced", 1, **options))
+    asyncio.run(too_slow("async", "m3-fenced", 1, **options))
+    for proxy in proxies:
+        proxy.pass_through()
