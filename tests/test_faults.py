@@ -219,13 +219,14 @@ def monitor(node: Any, stop: threading.Event, lines: list[str]) -> threading.Thr
 
 
 def test_racing_clients_split_votes_yet_never_both_win_a_round(
-    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet
+    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet, matrix: Any
 ) -> None:
     """With node 4 frozen, X and Y race for the 4 live nodes, each sending to
     them in opposite order, for many rounds started by a barrier: a round has at
     most one winner; some rounds split the vote and then nobody wins; and when
     both wait, each gets the lock in turn with non-overlapping windows."""
     settings.REDLOCK = {**redlock_settings, "NODE_TIMEOUT": 0.03}
+    tally = matrix(5)
     urls = nodes.urls
     x = Redlock("split", nodes=urls)
     y = Redlock("split", nodes=list(reversed(urls)))
@@ -235,14 +236,20 @@ def test_racing_clients_split_votes_yet_never_both_win_a_round(
     errors: list[BaseException] = []
     done = threading.Barrier(2)
 
+    held: list[list[Window]] = [[] for _ in range(rounds)]
+
     def race(name: str, lock: Redlock) -> None:
         try:
-            for _ in range(rounds):
+            for round_ in range(rounds):
                 barrier.wait(5)
-                won = lock.acquire(blocking=False)
+                with tally.attempt() as attempt:
+                    attempt.ok = won = lock.acquire(blocking=False)
+                got = time.monotonic()
                 wins[name].append(won)
                 done.wait(5)
                 if won:
+                    # Both winners of a round would still hold at the barrier.
+                    held[round_].append(Window(got, time.monotonic()))
                     lock.release()
         except BaseException as exc:
             errors.append(exc)
@@ -270,10 +277,13 @@ def test_racing_clients_split_votes_yet_never_both_win_a_round(
 
         def take(lock: Redlock) -> None:
             barrier.wait(5)
-            assert lock.acquire(timeout=3.0)
+            with tally.attempt() as attempt:
+                attempt.ok = lock.acquire(timeout=3.0)
+            assert attempt.ok
             start = time.monotonic()
+            valid_until = start + lock.validity
             time.sleep(0.1)
-            windows.append(Window(start, time.monotonic()))
+            windows.append(Window(start, min(time.monotonic(), valid_until)))
             lock.release()
 
         barrier.reset()
@@ -283,7 +293,9 @@ def test_racing_clients_split_votes_yet_never_both_win_a_round(
         for thread in takers:
             thread.join(10)
         assert len(windows) == 2
-        assert overlaps(windows) == 0
+        assert tally.check(windows) == 0
+        assert sum(tally.check(round_windows) for round_windows in held) == 0
+        tally.note(f"split-vote rounds {rounds}: no winner {split}, two winners {both}")
 
 
 def test_retries_are_jittered_apart_between_competing_clients(
@@ -989,3 +1001,241 @@ def test_matrix_latency_shortens_validity_and_too_slow_attempts_are_refused(
     asyncio.run(too_slow("async", "m3-fenced", 1, **options))
     for proxy in proxies:
         proxy.pass_through()
+
+
+# Scenario 4, and research T23 (a connection reset mid-command).
+
+
+def echo_check(mode: str, rounds: int = 4) -> None:
+    """Send distinct ECHOs on the library's own pools: each gets its own reply.
+
+    The pools are the ones the locks under the current settings use, so a
+    connection left with a reply still due (redis-py #2665) would show here.
+    """
+    from redis import Redis
+
+    from redlock_django import nodes as node_pools
+    from redlock_django.conf import get_settings
+
+    config = get_settings()
+    if mode == "sync":
+        pools = node_pools.sync_pools(config.nodes, config.node_timeout)
+        for i, pool in enumerate(pools):
+            client = Redis(connection_pool=pool)
+            for n in range(rounds):
+                assert client.echo(f"sync-{i}-{n}") == f"sync-{i}-{n}".encode()
+        return
+
+    async def run() -> None:
+        clients = node_pools.async_clients(config.nodes, config.node_timeout)
+        for i, client in enumerate(clients):
+            words = [f"async-{i}-{n}" for n in range(rounds)]
+            replies = await asyncio.gather(*(client.echo(w) for w in words))
+            assert replies == [w.encode() for w in words]
+
+    asyncio.run(run())
+
+
+def test_matrix_lost_replies_and_resets_mid_command_never_make_the_next_client_wait(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    proxies: list[FaultProxy],
+    matrix: Any,
+) -> None:
+    """Rounds of two faults on replies, sync and async. Dropped: nodes 0-2 run
+    the acquire and their replies are lost; the attempt fails, its clean-up
+    clears those nodes, and another client acquires at once. Reset (T23): the
+    connections to nodes 0 and 1 get a TCP RST after the acquire was forwarded;
+    the lock is granted by the other three, the sync driver sends that command
+    once (no retry of a non-idempotent write: P33, P10), release clears all five,
+    and later commands on the same pools get their own replies."""
+    tally = matrix(4)
+    proxied(settings, redlock_settings, proxies)
+    for round_ in range(6):
+        mode = "sync" if round_ % 2 == 0 else "async"
+
+        async def dropped(api: Any) -> None:
+            for proxy in proxies[:3]:
+                proxy.drop_reply_after_forward()
+            with pytest.raises(QuorumUnavailableError):
+                await timed_acquire(tally, api, Redlock("m4-drop"), blocking=False)
+            for proxy in proxies[:3]:
+                proxy.pass_through()
+            assert tokens(nodes, "m4-drop") == [None] * 5
+            other = make_api(api.mode)
+            try:
+                lock = Redlock("m4-drop")
+                start = time.monotonic()
+                assert await timed_acquire(tally, other, lock, blocking=False)
+                assert time.monotonic() - start < 1.0  # not the 10 s lease
+                await other.release(lock)
+            finally:
+                await other.aclose()
+
+        async def reset(api: Any) -> None:
+            for node in nodes[:2]:
+                with node.client() as client:
+                    client.config_resetstat()
+            since = [proxy.requests for proxy in proxies[:2]]
+            for proxy in proxies[:2]:
+                proxy.hold_replies()
+            lock = Redlock("m4-reset")
+            acquiring = asyncio.ensure_future(
+                timed_acquire(tally, api, lock, blocking=False)
+            )
+            loop = asyncio.get_running_loop()
+            for proxy, before in zip(proxies[:2], since, strict=True):
+                assert await loop.run_in_executor(
+                    None, lambda p=proxy, b=before: p.wait_for_request(5.0, since=b)
+                )
+            for proxy in proxies[:2]:
+                proxy.reset()
+                proxy.pass_through()
+            assert await acquiring
+            runs = [script_calls(node)["evalsha"] for node in nodes[:2]]
+            if api.mode == "sync":
+                assert runs == [1, 1], runs
+            else:
+                # aio.py retries once on a broken connection: the acquire
+                # script is idempotent for one token.
+                assert all(1 <= n <= 2 for n in runs), runs
+            await api.release(lock)
+            assert tokens(nodes, "m4-reset") == [None] * 5
+
+        async def both(mode: str) -> None:
+            api = make_api(mode)
+            try:
+                await dropped(api)
+                await reset(api)
+            finally:
+                await api.aclose()
+
+        asyncio.run(both(mode))
+        echo_check(mode)
+
+
+# Scenario 6: a holder frozen (SIGSTOP) while its replies are in flight.
+
+
+def _child_acquire_loop() -> None:
+    """Run in a child: for each JSON line on stdin, one non-blocking acquire.
+
+    Print one JSON line per attempt: whether it was granted, the error class
+    and ``granted`` count (replies that said yes before the validity check),
+    and the elapsed monotonic time.
+    """
+    import django
+
+    django.setup()
+    from redlock_django import LockError
+    from redlock_django import Redlock as ChildLock
+
+    urls = json.loads(sys.argv[1])
+    for line in sys.stdin:
+        args = json.loads(line)
+        lock = ChildLock(
+            args["resource"],
+            nodes=urls,
+            ttl=args["ttl"],
+            node_timeout=args["node_timeout"],
+        )
+        report: dict[str, Any] = {"acquired": False, "error": None, "granted": None}
+        start = time.monotonic()
+        try:
+            report["acquired"] = lock.acquire(blocking=False)
+        except LockError as exc:
+            report.update(error=type(exc).__name__, granted=exc.granted)
+        report["elapsed"] = time.monotonic() - start
+        if report["acquired"]:
+            lock.release()
+        print(json.dumps(report), flush=True)
+
+
+def wait_for_state(pid: int, state: str, timeout: float = 5.0) -> None:
+    from tests._nodes import process_state
+
+    deadline = time.monotonic() + timeout
+    while process_state(pid) != state:
+        assert time.monotonic() < deadline, f"process {pid} never reached {state!r}"
+        time.sleep(0.002)
+
+
+def test_matrix_holder_frozen_with_replies_in_flight_past_its_ttl_takes_nothing(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    proxies: list[FaultProxy],
+    matrix: Any,
+) -> None:
+    """Rounds of: a child process sends its acquire to all five nodes (the SETs
+    land), the proxies hold the replies, the child is frozen with SIGSTOP until
+    its lease ran out and another client took the lock; then it reads five
+    "granted" replies, reports not acquired (too slow) and its clean-up leaves
+    the new holder's keys alone. The five granted replies are the negative
+    control: counting replies alone would have made two holders."""
+    tally = matrix(6)
+    ttl = 0.3
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONPATH": str(ROOT),
+    }
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from tests.test_faults import _child_acquire_loop; _child_acquire_loop()",
+            json.dumps([proxy.url for proxy in proxies]),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        for round_ in range(8):
+            resource = f"m6-{round_}"
+            since = [proxy.requests for proxy in proxies]
+            for proxy in proxies:
+                proxy.hold_replies()
+            child.stdin.write(
+                json.dumps({"resource": resource, "ttl": ttl, "node_timeout": 0.25})
+                + "\n"
+            )
+            child.stdin.flush()
+            for proxy, before in zip(proxies, since, strict=True):
+                assert proxy.wait_for_request(30.0, since=before), "child silent"
+            os.kill(child.pid, signal.SIGSTOP)
+            wait_for_state(child.pid, "T")
+            landed = tokens(nodes, resource)
+            assert None not in landed and len(set(landed)) == 1
+            deadline = time.monotonic() + ttl + 5.0
+            while any(token is not None for token in tokens(nodes, resource)):
+                assert time.monotonic() < deadline, "the child's keys never expired"
+                time.sleep(0.01)
+            second = Redlock(resource, nodes=nodes.urls, ttl=10.0)
+            with tally.attempt() as attempt:
+                attempt.ok = second.acquire(blocking=False)
+            assert attempt.ok
+            got = time.monotonic()
+            for proxy in proxies:
+                proxy.release_replies()
+            os.kill(child.pid, signal.SIGCONT)
+            report = json.loads(child.stdout.readline())
+            tally.add(1, int(report["acquired"]), [report["elapsed"]])
+            assert report["acquired"] is False
+            assert report["error"] == "QuorumUnavailableError"
+            assert report["granted"] == 5  # the negative control
+            assert report["elapsed"] > ttl
+            held_by = tokens(nodes, resource)
+            assert held_by[0] not in (None, landed[0])
+            assert held_by == [held_by[0]] * 5
+            # The child never held: only the second holder's window exists.
+            tally.check([Window(got, time.monotonic())])
+            second.release()
+    finally:
+        child.kill()  # SIGKILL ends a SIGSTOPped process too
+        child.communicate(timeout=10)
