@@ -252,7 +252,7 @@ class Chaos(Demo):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.workdir = REPO / ".demo" / "chaos"
+        self.workdir = Path(args.workdir).resolve()
         self.faults: list[Fault] = []
         self.started = 0.0
         self.sampler: Sampler | None = None
@@ -592,6 +592,10 @@ class Chaos(Demo):
             "html": str(summary.get("html")),
         }
         report["phases"] = self.phases()
+        samples = self.sampler.samples if self.sampler else []
+        report["sold_out_at_s"] = next(
+            (round(s.at, 1) for s in samples if s.stock <= 0), None
+        )
         report["total_s"] = round(time.monotonic() - began, 1)
         path = self.reports / ("chaos-unsafe.json" if args.unsafe else "chaos.json")
         path.write_text(json.dumps(report, sort_keys=True, indent=1) + "\n")
@@ -627,6 +631,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"{audit['orders']} orders, {audit['stock']} left, oversold "
         f"{audit['oversold']}, duplicate customers {audit['duplicate_customers']}, "
         f"double clicks {report['double_clicks']}",
+        "  sold out: "
+        + (
+            f"at +{report['sold_out_at_s']} s (first audit sample at stock 0)"
+            if report.get("sold_out_at_s") is not None
+            else "no (more --users or --duration, or less --stock, to sell out)"
+        ),
         "  faults (seconds since Locust started, monotonic):",
     ]
     lines += [f"    {Fault(**fault).line()}" for fault in report["faults"]]
@@ -658,7 +668,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration", type=int, default=75, help="Locust seconds")
     parser.add_argument("--users", type=int, default=40)
     parser.add_argument("--spawn-rate", type=float, default=20.0)
-    parser.add_argument("--stock", type=int, default=2000)
+    parser.add_argument("--stock", type=int, default=1000)
     parser.add_argument("--servers", type=int, default=3)
     parser.add_argument("--workers", type=int, default=3, help="per app server")
     parser.add_argument("--redis-nodes", type=int, default=5)
@@ -687,6 +697,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="negative control: restart the killed node at once (rule broken)",
     )
     parser.add_argument("--reports-dir", default="reports")
+    parser.add_argument(
+        "--workdir",
+        default=str(REPO / ".demo" / "chaos"),
+        help="logs, Redis files and the SQLite database (emptied first)",
+    )
     parser.add_argument("--summary-json", default="", help="also write the report here")
     args = parser.parse_args(argv)
     args.stop_after_sold_out = None  # read by the demo's code, unused here
