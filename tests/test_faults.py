@@ -9,6 +9,7 @@ FLUSH``, and wall-clock jumps from libfaketime in a subprocess.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -1239,3 +1240,160 @@ def test_matrix_holder_frozen_with_replies_in_flight_past_its_ttl_takes_nothing(
     finally:
         child.kill()  # SIGKILL ends a SIGSTOPped process too
         child.communicate(timeout=10)
+
+
+# Scenario 7: Kleppmann's pause, with and without fencing.
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("fencing", [True, False], ids=["fenced", "unfenced"])
+def test_matrix_holder_paused_past_its_lease_is_stopped_by_fencing_only(
+    redlock_settings: dict[str, Any], nodes: NodeSet, matrix: Any, fencing: bool
+) -> None:
+    """Rounds of: A takes the lock (0.15 s lease) and reads the stock, then
+    pauses past its lease; B takes the lock, sells one unit and releases; A
+    wakes and writes its stale stock. Two holders happen at the lock layer
+    every round. Fenced, the database refuses A's write: no accepted write
+    overlaps another holder and no sale is lost. Unfenced (the negative
+    control), A's write lands inside B's tenure and B's sale is lost.
+
+    The oracle's window of a holder runs from its grant to its last accepted
+    write (or its validity end): what it really did as the holder.
+    """
+    from django.db import connections
+
+    from redlock_django import fenced_update
+    from tests.models import FencedItem
+
+    tally = matrix(7, negative_control=not fencing)
+    item = FencedItem.objects.create(name="m7", stock=100)
+    rounds, sold, found = 8, 0, 0
+    for _ in range(rounds):
+        a = Redlock("m7", ttl=0.15, fencing=True)
+        with tally.attempt() as attempt:
+            attempt.ok = a.acquire(blocking=False)
+        assert attempt.ok
+        got_a = time.monotonic()
+        valid_until_a = got_a + a.validity
+        stale = FencedItem.objects.get(pk=item.pk)
+        time.sleep(max(0.0, valid_until_a - time.monotonic()) + 0.05)  # the pause
+
+        def b_sells() -> Window:
+            b = Redlock("m7", ttl=5.0, fencing=True)
+            try:
+                with tally.attempt() as attempt:
+                    attempt.ok = b.acquire(timeout=2.0)
+                assert attempt.ok
+                got = time.monotonic()
+                row = FencedItem.objects.get(pk=item.pk)
+                if fencing:
+                    assert fenced_update(row, b, stock=row.stock - 1)
+                else:
+                    FencedItem.objects.filter(pk=item.pk).update(stock=row.stock - 1)
+                window = Window(got, time.monotonic())
+                b.release()
+                return window
+            finally:
+                connections.close_all()
+
+        window_b = run_in_thread(b_sells)
+        sold += 1
+        if fencing:
+            accepted = fenced_update(stale, a, stock=stale.stock - 1)
+        else:
+            FencedItem.objects.filter(pk=item.pk).update(stock=stale.stock - 1)
+            accepted = True
+        wrote = time.monotonic()
+        sold += accepted
+        window_a = Window(got_a, wrote if accepted else valid_until_a)
+        found += tally.check([window_a, window_b])
+        with pytest.raises(LockLostError):
+            a.release()
+    lost = sold - (100 - FencedItem.objects.get(pk=item.pk).stock)
+    tally.lost(lost)
+    if fencing:
+        assert (lost, found) == (0, 0)
+    else:
+        assert (lost, found) == (rounds, rounds)
+
+
+# Scenario 8: a node crashes while a lock is held and comes back.
+
+
+@pytest.mark.parametrize("restart", ["immediate", "delayed", "appendfsync-always"])
+def test_matrix_restarted_node_double_grants_only_when_it_returns_empty_at_once(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    make_nodes: Any,
+    matrix: Any,
+    restart: str,
+) -> None:
+    """Rounds of: A holds nodes 0-2 (a third party briefly held 3 and 4), node 2
+    is killed with SIGKILL and started again, and B tries. Restarted at once
+    without persistence (the negative control, a documented limitation) node 2
+    comes back empty and B is granted while A's lease runs: the oracle counts
+    one overlap per round. Restarted only after the longest TTL (the delayed-
+    restart rule), or on ``appendfsync always`` nodes, no round overlaps."""
+    # The delayed restart waits out the lease, so that one is short; the others
+    # must outlast a restart (an AOF replay takes a while).
+    ttl = 0.3 if restart == "delayed" else 5.0
+    tally = matrix(8, negative_control=restart == "immediate")
+    node_set = nodes
+    if restart == "appendfsync-always":
+        node_set = make_nodes(5, appendfsync_always=True)
+        settings.REDLOCK = {**redlock_settings, "NODES": node_set.urls}
+    found = 0
+    rounds = 5
+    for round_ in range(rounds):
+        name = f"m8-{round_}"
+        key = lock_key(name)
+        node_set[3].clog(key)
+        node_set[4].clog(key)
+        a = Redlock(name, nodes=node_set.urls, ttl=ttl)
+        with tally.attempt() as attempt:
+            attempt.ok = a.acquire(blocking=False)
+        assert attempt.ok
+        got_a = time.monotonic()
+        window_a = Window(got_a, got_a + a.validity)
+        for node in node_set[3:]:
+            with node.client() as client:
+                client.delete(key)  # the third party released
+
+        def b_tries(wait: float, name: str = name) -> Window | None:
+            b = Redlock(name, nodes=node_set.urls, ttl=ttl)
+            with tally.attempt() as attempt:
+                attempt.ok = (
+                    b.acquire(timeout=wait) if wait else b.acquire(blocking=False)
+                )
+            if not attempt.ok:
+                return None
+            got = time.monotonic()
+            window = Window(got, got + b.validity)
+            with contextlib.suppress(LockLostError):
+                b.release()
+            return window
+
+        if restart == "delayed":
+            # B waits from the crash on; node 2 stays down for TTL + drift.
+            waiter = concurrent.futures.ThreadPoolExecutor(1)
+            future = waiter.submit(b_tries, 3.0)
+            node_set[2].crash_and_restart(ttl * (1 + DRIFT_FACTOR) + 0.05)
+            window_b = future.result(10)
+            waiter.shutdown()
+            assert window_b is not None  # granted once A's lease was over
+        else:
+            node_set[2].crash_and_restart(0.0)
+            # Another thread: the same thread would re-enter A's hold.
+            window_b = run_in_thread(lambda: b_tries(0.0))
+            assert (window_b is not None) == (restart == "immediate")
+        windows = [window_a] if window_b is None else [window_a, window_b]
+        found += tally.check(windows)
+        if restart == "appendfsync-always":
+            a.release()
+        else:
+            with pytest.raises(LockLostError):
+                a.release()
+    if restart == "appendfsync-always":
+        assert tally.scan(node_set) == []
+    assert found == (rounds if restart == "immediate" else 0)
