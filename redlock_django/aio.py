@@ -18,6 +18,7 @@ from redis.exceptions import NoScriptError
 
 from .nodes import describe
 from .protocol import Fanout, NodeReply, Sleep, Step
+from .wake import AsyncWatch, Hub
 
 __all__ = ["fanout", "run"]
 
@@ -70,33 +71,46 @@ async def run(
     clients: Sequence[redis.asyncio.Redis],
     timeout: float,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    hub: Hub | None = None,
 ) -> Any:
     """Drive a protocol flow to its end and return its result.
 
-    A cancellation during a step is thrown into the flow, so its clean-up steps run
-    (shielded) before the cancellation propagates.
+    With a ``hub``, a wait that names a lock key ends early when that lock is
+    released. A cancellation during a step is thrown into the flow, so its clean-up
+    steps run (shielded) before the cancellation propagates.
     """
     reply: Any = None
     pending: BaseException | None = None
-    while True:
-        try:
-            step: Step = flow.throw(pending) if pending else flow.send(reply)
-        except StopIteration as stop:
-            return stop.value
-        pending = None
-        try:
-            if isinstance(step, Sleep):
-                reply = None
-                await sleep(step.seconds)
-            elif step.critical:
-                work = asyncio.ensure_future(fanout(clients, step, timeout))
-                try:
-                    reply = await asyncio.shield(work)
-                except asyncio.CancelledError:
-                    # Let the clean-up finish, then hand the cancellation on.
-                    reply = await work
-                    raise
-            else:
-                reply = await fanout(clients, step, timeout)
-        except BaseException as exc:
-            pending = exc
+    watch: AsyncWatch | None = None
+    try:
+        while True:
+            try:
+                step: Step = flow.throw(pending) if pending else flow.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            pending = None
+            try:
+                if isinstance(step, Sleep):
+                    reply = None
+                    if step.wake is None or hub is None:
+                        await sleep(step.seconds)
+                        continue
+                    if watch is None:
+                        watch = AsyncWatch(step.wake.encode())
+                        hub.watch(watch)
+                    reply = await watch.wait(step.seconds)
+                elif step.critical:
+                    work = asyncio.ensure_future(fanout(clients, step, timeout))
+                    try:
+                        reply = await asyncio.shield(work)
+                    except asyncio.CancelledError:
+                        # Let the clean-up finish, then hand the cancellation on.
+                        reply = await work
+                        raise
+                else:
+                    reply = await fanout(clients, step, timeout)
+            except BaseException as exc:
+                pending = exc
+    finally:
+        if watch is not None and hub is not None:
+            hub.unwatch(watch)

@@ -28,7 +28,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
 
-from . import aio, nodes, signals, sync
+from . import aio, nodes, signals, sync, wake
 from .conf import MAX_TTL, NodeSpec, RedlockSettings, get_settings, parse_node
 from .exceptions import (
     LockContentionError,
@@ -66,6 +66,45 @@ TOKEN_BYTES = 20
 
 _clock = time.monotonic
 _jitter = random.random
+
+#: Shortest pause before re-acquiring a lock this process just released to waiters.
+HANDOFF_GRACE = 0.002
+# lock identity -> monotonic time until which this process lets waiters take the
+# lock it just released before trying again itself (see ``_note_handoff``).
+_handoffs: dict[tuple[Any, ...], float] = {}
+
+
+def _note_handoff(config: _Config, outcome: Release, elapsed: float) -> None:
+    """Remember a release that others were waiting for.
+
+    A process that releases and re-acquires at once (a loop) would nearly always
+    beat the waiters it just woke, whose retries start a message later: it defers
+    its next attempt by a few of its own round trips instead, so the lock changes
+    hands. Waiters are known from the release's subscriber counts, less this
+    process's own subscriptions, and from this process's own waiting threads/tasks.
+    """
+    spec = config.spec
+    channel = spec.key.encode()
+    hub = wake.hub(nodes.sync_pools(config.nodes, config.node_timeout))
+    others = hub.waiting(channel) > 0 or any(
+        heard - hub.listening(i, channel) > 0
+        for i, heard in enumerate(outcome.listeners)
+    )
+    if not others:
+        return
+    grace = min(spec.retry_delay + spec.retry_jitter, max(HANDOFF_GRACE, 4 * elapsed))
+    if len(_handoffs) > 1000:
+        now = _clock()
+        for identity, until in list(_handoffs.items()):
+            if until <= now:
+                _handoffs.pop(identity, None)
+    _handoffs[config.identity] = _clock() + grace
+
+
+def _handoff_defer(identity: tuple[Any, ...]) -> float:
+    """Seconds this process should still leave to the waiters of ``identity``."""
+    until = _handoffs.pop(identity, None)
+    return 0.0 if until is None else max(0.0, until - _clock())
 
 
 def check_resource(resource: object) -> str:
@@ -530,6 +569,8 @@ class Redlock:
             resource=self.resource,
             waited=_clock() - since,
             fencing_token=grant.fencing_token,
+            attempts=grant.attempts,
+            wakeups=grant.wakeups,
         )
         return hold
 
@@ -558,8 +599,12 @@ class Redlock:
             )
         return hold
 
-    def _finish_release(self, owner: object, hold: _Hold, outcome: Release) -> None:
+    def _finish_release(
+        self, owner: object, hold: _Hold, outcome: Release, elapsed: float
+    ) -> None:
         _drop_hold(owner, hold.config.identity)
+        if outcome.released:
+            _note_handoff(hold.config, outcome, elapsed)
         lease = hold.lease
         spec = hold.config.spec
         now = _clock()
@@ -611,7 +656,9 @@ class Redlock:
                 return None
         token = secrets.token_urlsafe(TOKEN_BYTES)
         meta = self._meta(config, holder)
-        return config, acquire_flow(config.spec, token, meta, wait, _clock, _jitter)
+        defer = _handoff_defer(config.identity) if _handoffs else 0.0
+        flow = acquire_flow(config.spec, token, meta, wait, _clock, _jitter, defer)
+        return config, flow
 
     def _start_release(self, owner: object) -> _Hold | None:
         """Return the hold to release on the nodes, or None if still re-entered."""
@@ -655,7 +702,7 @@ class Redlock:
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         since = _clock()
         try:
-            grant = sync.run(flow, pools, config.node_timeout)
+            grant = sync.run(flow, pools, config.node_timeout, hub=wake.hub(pools))
         except (LockContentionError, QuorumUnavailableError) as exc:
             return self._not_acquired(exc, since)
         hold = self._grant(owner, config, grant, since)
@@ -678,10 +725,11 @@ class Redlock:
         hold.releases += 1
         config = hold.config
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
+        start = _clock()
         outcome = sync.run(
             release_flow(config.spec, hold.lease.token), pools, config.node_timeout
         )
-        self._finish_release(owner, hold, outcome)
+        self._finish_release(owner, hold, outcome, _clock() - start)
 
     def extend(self, ttl: float | None = None) -> bool:
         """Reset the lease to ``ttl`` seconds (default: the lock's TTL).
@@ -762,9 +810,10 @@ class Redlock:
             return True
         config, flow = started
         clients = nodes.async_clients(config.nodes, config.node_timeout)
+        hub = wake.hub(nodes.sync_pools(config.nodes, config.node_timeout))
         since = _clock()
         try:
-            grant = await aio.run(flow, clients, config.node_timeout)
+            grant = await aio.run(flow, clients, config.node_timeout, hub=hub)
         except (LockContentionError, QuorumUnavailableError) as exc:
             return self._not_acquired(exc, since)
         hold = self._grant(owner, config, grant, since)
@@ -783,10 +832,11 @@ class Redlock:
         hold.releases += 1
         config = hold.config
         clients = nodes.async_clients(config.nodes, config.node_timeout)
+        start = _clock()
         outcome = await aio.run(
             release_flow(config.spec, hold.lease.token), clients, config.node_timeout
         )
-        self._finish_release(owner, hold, outcome)
+        self._finish_release(owner, hold, outcome, _clock() - start)
 
     async def aextend(self, ttl: float | None = None) -> bool:
         """Extend the lease from a coroutine; see ``extend()``."""

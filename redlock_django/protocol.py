@@ -17,6 +17,7 @@ Timeline of one acquisition attempt (spec: redis.io "Distributed Locks with Redi
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,9 +73,14 @@ class Fanout:
 
 @dataclass(frozen=True)
 class Sleep:
-    """Wait before the next attempt."""
+    """Wait before the next attempt.
+
+    With ``wake`` (a lock key) a driver may end the wait early when a release of
+    that key is announced; the flow simply tries again.
+    """
 
     seconds: float
+    wake: str | None = None
 
 
 Step = Fanout | Sleep
@@ -116,6 +122,9 @@ class Grant:
     valid_until: float
     granted: tuple[int, ...]
     fencing_token: int | None = None
+    #: Attempts made, and waits between them that a release cut short.
+    attempts: int = 1
+    wakeups: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,8 @@ class Release:
 
     released: int
     failed: dict[str, str] = field(default_factory=dict)
+    #: Per node, how many subscribers heard the release (0 where not released).
+    listeners: tuple[int, ...] = ()
 
 
 @dataclass
@@ -173,6 +184,12 @@ def ttl_ms(ttl: float) -> int:
     return max(1, int(ttl * 1000))
 
 
+def release_id(token: str, attempt: int = 0) -> str:
+    """Name one release in its wake-up message: a short hash, never the token."""
+    digest = hashlib.sha256(token.encode()).hexdigest()[:12]
+    return f"{digest}.{attempt}" if attempt else digest
+
+
 def _failed(spec: LockSpec, replies: Replies, nodes: Sequence[int]) -> dict[str, str]:
     return {
         spec.node_names[i]: reply.error
@@ -206,6 +223,16 @@ def _error(
     )
 
 
+def _cleanup(spec: LockSpec, token: str, attempt: int) -> Fanout:
+    """Undo a failed attempt on every node; it wakes waiters like a release."""
+    return Fanout(
+        RELEASE_SCRIPT,
+        (spec.key,),
+        (token, release_id(token, attempt)),
+        critical=True,
+    )
+
+
 def acquire_flow(
     spec: LockSpec,
     token: str,
@@ -213,6 +240,7 @@ def acquire_flow(
     wait: float | None,
     clock: Clock,
     rand: Random,
+    defer: float = 0.0,
 ) -> Generator[Step, Any, Grant]:
     """Acquire ``spec`` on a quorum, retrying for up to ``wait`` seconds.
 
@@ -225,14 +253,19 @@ def acquire_flow(
     every = tuple(range(spec.node_count))
     keys = (spec.key,) if spec.fence_key is None else (spec.key, spec.fence_key)
     lease = ttl_ms(spec.ttl)
-    cleanup = Fanout(RELEASE_SCRIPT, (spec.key,), (token,), critical=True)
     deadline = None if wait is None else clock() + wait
+    if defer > 0 and wait != 0:
+        # This owner just released the lock while others waited: let one of them
+        # take it before trying again, or a busy owner would starve the rest.
+        yield Sleep(defer if wait is None else min(defer, wait))
+    attempt = wakeups = 0
     while True:
+        attempt += 1
         start = clock()
         try:
             replies: Replies = yield Fanout(ACQUIRE_SCRIPT, keys, (token, lease, meta))
         except BaseException:
-            yield cleanup
+            yield _cleanup(spec, token, attempt)
             raise
         granted = tuple(
             i
@@ -249,7 +282,7 @@ def acquire_flow(
                     FENCE_SCRIPT, keys, (token, fencing_token), nodes=granted
                 )
             except BaseException:
-                yield cleanup
+                yield _cleanup(spec, token, attempt)
                 raise
             failed.update(_failed(spec, confirms, granted))
             granted = tuple(
@@ -258,11 +291,13 @@ def acquire_flow(
             left = validity(spec.ttl, clock() - start, spec.drift_factor)
         if len(granted) >= spec.quorum and left > 0:
             valid_until = start + spec.ttl - drift(spec.ttl, spec.drift_factor)
-            return Grant(token, start, valid_until, granted, fencing_token)
+            return Grant(
+                token, start, valid_until, granted, fencing_token, attempt, wakeups
+            )
 
         # Failed attempt: unlock every node, even those that seemed not to answer
         # (the SET may have landed and only its reply been lost).
-        yield cleanup
+        yield _cleanup(spec, token, attempt)
         if len(failed) > spec.node_count - spec.quorum:
             raise _error(
                 QuorumUnavailableError,
@@ -281,7 +316,9 @@ def acquire_flow(
         delay = retry_delay(spec, rand)
         if deadline is not None:
             delay = min(delay, deadline - now)
-        yield Sleep(delay)
+        # A driver answers a wait with True when a release ended it early.
+        if (yield Sleep(delay, wake=spec.key)) is True:
+            wakeups += 1
 
 
 def extend_flow(
@@ -318,10 +355,13 @@ def release_flow(spec: LockSpec, token: str) -> Generator[Step, Any, Release]:
     """Delete our token's key on every node; keys of other tokens are left alone."""
     every = tuple(range(spec.node_count))
     replies: Replies = yield Fanout(
-        RELEASE_SCRIPT, (spec.key,), (token,), critical=True
+        RELEASE_SCRIPT, (spec.key,), (token, release_id(token)), critical=True
     )
-    released = sum(1 for r in replies if r.value == 1)
-    return Release(released, _failed(spec, replies, every))
+    # A node that deleted our key answers 1 + the subscribers it woke.
+    counts = tuple(r.value if isinstance(r.value, int) else 0 for r in replies)
+    released = sum(1 for n in counts if n >= 1)
+    listeners = tuple(max(0, n - 1) for n in counts)
+    return Release(released, _failed(spec, replies, every), listeners)
 
 
 def locked_flow(spec: LockSpec) -> Generator[Step, Any, bool]:

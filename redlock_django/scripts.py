@@ -61,16 +61,25 @@ return fence
 )
 
 # KEYS[1] lock key
-# ARGV[1] token
-# returns 1 when our token held the key and it was deleted, else 0 (never touches
-# another holder's key).
+# ARGV[1] token; ARGV[2] (optional) release id, published on the channel named
+# like the key so that waiters wake at once (see wake.py)
+# returns 0 when the key held another token (it is never touched) or nothing;
+# else deletes it and returns 1 + the number of subscribers that heard it. PUBLISH
+# runs by pcall: an ACL user without channel rights still releases.
 RELEASE_SCRIPT = Script(
     "release",
     """
-if redis.pcall('hget', KEYS[1], 'token') == ARGV[1] then
-  return redis.call('del', KEYS[1])
+if redis.pcall('hget', KEYS[1], 'token') ~= ARGV[1] then
+  return 0
 end
-return 0
+local deleted = redis.call('del', KEYS[1])
+if ARGV[2] then
+  local heard = redis.pcall('publish', KEYS[1], ARGV[2])
+  if type(heard) == 'number' then
+    return deleted + heard
+  end
+end
+return deleted
 """,
 )
 

@@ -17,6 +17,7 @@ from redis.exceptions import NoScriptError
 
 from .nodes import describe
 from .protocol import Fanout, NodeReply, Sleep, Step
+from .wake import Hub, SyncWatch
 
 __all__ = ["fanout", "run"]
 
@@ -93,25 +94,38 @@ def run(
     pools: Sequence[redis.ConnectionPool],
     timeout: float,
     sleep: Callable[[float], None] = time.sleep,
+    hub: Hub | None = None,
 ) -> Any:
     """Drive a protocol flow to its end and return its result.
 
-    An interruption (KeyboardInterrupt) during a step is thrown into the flow, so
-    its clean-up steps still run before the interruption propagates.
+    With a ``hub``, a wait that names a lock key ends early when that lock is
+    released. An interruption (KeyboardInterrupt) during a step is thrown into the
+    flow, so its clean-up steps still run before the interruption propagates.
     """
     reply: Any = None
     pending: BaseException | None = None
-    while True:
-        try:
-            step: Step = flow.throw(pending) if pending else flow.send(reply)
-        except StopIteration as stop:
-            return stop.value
-        pending = None
-        try:
-            if isinstance(step, Sleep):
+    watch: SyncWatch | None = None
+    try:
+        while True:
+            try:
+                step: Step = flow.throw(pending) if pending else flow.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            pending = None
+            try:
+                if not isinstance(step, Sleep):
+                    reply = fanout(pools, step, timeout)
+                    continue
                 reply = None
-                sleep(step.seconds)
-            else:
-                reply = fanout(pools, step, timeout)
-        except BaseException as exc:
-            pending = exc
+                if step.wake is None or hub is None:
+                    sleep(step.seconds)
+                    continue
+                if watch is None:
+                    watch = SyncWatch(step.wake.encode())
+                    hub.watch(watch)
+                reply = watch.wait(step.seconds)
+            except BaseException as exc:
+                pending = exc
+    finally:
+        if watch is not None and hub is not None:
+            hub.unwatch(watch)

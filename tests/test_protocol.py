@@ -24,6 +24,7 @@ from redlock_django.protocol import (
     locked_flow,
     quorum,
     release_flow,
+    release_id,
     validity,
     watchdog_flow,
 )
@@ -142,8 +143,11 @@ def test_failed_attempt_releases_every_node_then_retries_after_jittered_delay() 
     kinds = [type(s).__name__ if isinstance(s, Sleep) else s.script.name for s in steps]
     assert kinds == ["acquire", "release", "Sleep", "acquire"]
     cleanup = steps[1]
-    assert cleanup.nodes is None and cleanup.critical and cleanup.args == ("tok",)
+    assert cleanup.nodes is None and cleanup.critical
+    # The clean-up names its attempt in the wake-up it publishes, never the token.
+    assert cleanup.args == ("tok", release_id("tok", 1))
     assert steps[2].seconds == pytest.approx(0.1 + 0.25 * 0.2)
+    assert steps[2].wake == "p:lock:r"
     assert grant.granted == (0, 1, 2, 3)
 
 

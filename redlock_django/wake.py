@@ -1,0 +1,343 @@
+"""Wake waiters when a lock is released, instead of letting them sleep out a retry.
+
+A release publishes on the lock's key, used as a pub/sub channel, on every node
+where it deleted the key. Each process keeps one subscriber connection per node,
+owned by a reader thread, and multiplexes every channel its waiters need over it:
+a thousand waiting resources cost five connections, not five thousand. Blocking
+waiters are woken through a ``threading.Event``, asyncio waiters through their
+loop, so one set of readers serves both APIs.
+
+A wake-up is a hint, never a grant: the woken waiter simply tries again at once.
+The timed retry stays as the fallback, so a missed message (a node down, a lock
+that expired instead of being released) costs at most one retry delay. A channel
+stays subscribed for ``LINGER`` seconds after its last waiter left, so a lock under
+steady contention is not re-subscribed on every wait, and a reader thread ends
+when its node has nothing left to watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from django.core.signals import setting_changed
+
+from .nodes import describe
+
+__all__ = ["AsyncWatch", "Hub", "SyncWatch", "hub", "reset"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a channel stays subscribed after its last waiter stopped waiting.
+LINGER = 2.0
+#: Longest a reader blocks on its socket before it looks for idle channels.
+POLL = 0.2
+#: Pause between attempts to reconnect a reader to a node that is down.
+RECONNECT = 0.5
+#: Release ids remembered per channel: one release publishes on every node, and
+#: waking a waiter once per node would only send it retries that cannot win.
+SEEN = 8
+
+
+class _Watch:
+    """One waiter's interest in a channel."""
+
+    def __init__(self, channel: bytes) -> None:
+        self.channel = channel
+        #: Set until a node confirms the subscription: the waiter's last attempt
+        #: ran before it could hear a release, so the confirmation wakes it once.
+        self.fresh = True
+
+    def fire(self) -> None:
+        raise NotImplementedError
+
+
+class SyncWatch(_Watch):
+    """A blocking waiter: ``wait()`` returns early when the lock may be free."""
+
+    def __init__(self, channel: bytes) -> None:
+        super().__init__(channel)
+        self._event = threading.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+
+    def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; return whether a wake-up ended the wait."""
+        woken = self._event.wait(seconds)
+        # Cleared before the next attempt: a release during that attempt sets it
+        # again, so the wait after a failed attempt does not miss it.
+        self._event.clear()
+        return woken
+
+
+class AsyncWatch(_Watch):
+    """An asyncio waiter, woken from a reader thread through its event loop."""
+
+    def __init__(self, channel: bytes) -> None:
+        super().__init__(channel)
+        self._loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        # A closed loop has nobody waiting any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    async def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; return whether a wake-up ended the wait."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self._event.wait()
+            woken = True
+        except TimeoutError:
+            woken = False
+        self._event.clear()
+        return woken
+
+
+class _Reader(threading.Thread):
+    """Owns one node's subscriber connection and reads what it publishes."""
+
+    def __init__(self, hub: Hub, index: int, pool: redis.ConnectionPool) -> None:
+        super().__init__(name=f"redlock-wake-{index}", daemon=True)
+        self.hub = hub
+        self.index = index
+        self.pool = pool
+        #: Channels this node confirmed; read by the releasing side, written here.
+        self.subscribed: set[bytes] = set()
+        self._asked: set[bytes] = set()
+        self._conn: Any = None
+        self._send_lock = threading.Lock()
+        self._warned = False
+
+    def ask(self, channels: Sequence[bytes]) -> None:
+        """Subscribe to ``channels`` now if connected (else at the next connect)."""
+        with self._send_lock:
+            conn = self._conn
+            fresh = [c for c in channels if c not in self._asked]
+            if conn is None or not fresh:
+                return
+            self._asked.update(fresh)
+            try:
+                conn.send_command("SUBSCRIBE", *fresh)
+            except Exception:
+                # The reader sees the broken socket on its next read and reconnects.
+                self._asked.difference_update(fresh)
+
+    def _connect(self) -> bool:
+        conn = self.pool.connection_class(**self.pool.connection_kwargs)
+        try:
+            conn.connect()
+        except Exception as exc:
+            self._warn(f"cannot connect: {describe(exc)}")
+            return False
+        with self._send_lock:
+            self._conn = conn
+            self._asked = set()
+        self.ask(sorted(self.hub.wanted()))
+        return True
+
+    def _warn(self, why: str) -> None:
+        # Once per outage: a node that is down is normal operation; waiters fall
+        # back to their timed retries meanwhile.
+        if not self._warned:
+            self._warned = True
+            logger.info("redlock wake-ups from node %d paused: %s", self.index, why)
+
+    def _drop(self) -> None:
+        with self._send_lock:
+            conn, self._conn = self._conn, None
+            self._asked = set()
+        self.subscribed = set()
+        if conn is not None:
+            conn.disconnect()
+
+    def _prune(self) -> None:
+        stale = sorted((self._asked | self.subscribed) - self.hub.wanted())
+        if not stale:
+            return
+        with self._send_lock:
+            self._asked.difference_update(stale)
+            conn = self._conn
+            if conn is not None:
+                conn.send_command("UNSUBSCRIBE", *stale)
+
+    def _handle(self, reply: Any) -> None:
+        if not isinstance(reply, list) or len(reply) < 3:
+            return
+        kind, channel = reply[0], reply[1]
+        if kind == b"message":
+            self.hub.deliver(channel, reply[2])
+        elif kind == b"subscribe":
+            self.subscribed.add(channel)
+            self.hub.confirmed(channel)
+        elif kind == b"unsubscribe":
+            self.subscribed.discard(channel)
+        elif kind == b"error" or isinstance(reply, Exception):
+            self._warn(str(reply))
+
+    def run(self) -> None:
+        try:
+            while self.hub.keep(self):
+                if self._conn is None and not self._connect():
+                    time.sleep(RECONNECT)
+                    continue
+                try:
+                    self._prune()
+                    if self._conn.can_read(timeout=POLL):
+                        self._handle(self._conn.read_response())
+                        self._warned = False
+                except Exception as exc:
+                    self._warn(describe(exc))
+                    self._drop()
+                    time.sleep(RECONNECT)
+        finally:
+            self._drop()
+
+
+class Hub:
+    """The waiters of one process on one set of nodes, and their readers."""
+
+    def __init__(self, pools: Sequence[redis.ConnectionPool]) -> None:
+        self.pools = tuple(pools)
+        self._lock = threading.Lock()
+        self._watches: dict[bytes, set[_Watch]] = {}
+        #: channel -> monotonic time its last waiter left
+        self._idle: dict[bytes, float] = {}
+        self._seen: dict[bytes, collections.deque[bytes]] = {}
+        self._readers: list[_Reader | None] = [None] * len(self.pools)
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop the readers (within ``POLL``); waiters fall back to their timers."""
+        with self._lock:
+            self._closed = True
+
+    def watch(self, watch: _Watch) -> _Watch:
+        """Start delivering wake-ups for ``watch.channel`` to ``watch``."""
+        channel = watch.channel
+        with self._lock:
+            self._watches.setdefault(channel, set()).add(watch)
+            self._idle.pop(channel, None)
+            if self._closed:
+                return watch
+            if any(r is not None and channel in r.subscribed for r in self._readers):
+                watch.fresh = False
+            started = []
+            for i, reader in enumerate(self._readers):
+                if reader is None:
+                    reader = self._readers[i] = _Reader(self, i, self.pools[i])
+                    started.append(reader)
+        for reader in self._readers:
+            if reader is not None and reader not in started:
+                reader.ask([channel])
+        for reader in started:
+            reader.start()
+        return watch
+
+    def unwatch(self, watch: _Watch) -> None:
+        """Stop waking ``watch``; its channel lingers subscribed for a while."""
+        with self._lock:
+            watches = self._watches.get(watch.channel)
+            if watches is None:
+                return
+            watches.discard(watch)
+            if not watches:
+                del self._watches[watch.channel]
+                self._idle[watch.channel] = time.monotonic()
+
+    def waiting(self, channel: bytes) -> int:
+        """How many waiters of this process watch ``channel``."""
+        with self._lock:
+            return len(self._watches.get(channel, ()))
+
+    def listening(self, index: int, channel: bytes) -> bool:
+        """Whether this process's reader on node ``index`` is subscribed."""
+        reader = self._readers[index]
+        return reader is not None and channel in reader.subscribed
+
+    def wanted(self) -> set[bytes]:
+        """Channels with waiters, or whose last waiter left less than LINGER ago."""
+        now = time.monotonic()
+        with self._lock:
+            for channel, since in list(self._idle.items()):
+                if now - since >= LINGER:
+                    del self._idle[channel]
+                    self._seen.pop(channel, None)
+            return set(self._watches) | set(self._idle)
+
+    def keep(self, reader: _Reader) -> bool:
+        """Whether ``reader`` still has work; a reader told no is forgotten."""
+        wanted = self.wanted()
+        with self._lock:
+            if not self._closed and (wanted or self._watches):
+                return True
+            if self._readers[reader.index] is reader:
+                self._readers[reader.index] = None
+            return False
+
+    def confirmed(self, channel: bytes) -> None:
+        """A node confirmed ``channel``: wake its waiters that could not yet hear."""
+        with self._lock:
+            fresh = [w for w in self._watches.get(channel, ()) if w.fresh]
+            for watch in fresh:
+                watch.fresh = False
+        for watch in fresh:
+            watch.fire()
+
+    def deliver(self, channel: bytes, release_id: bytes) -> None:
+        """A release on some node: wake every waiter on ``channel`` once."""
+        with self._lock:
+            seen = self._seen.setdefault(channel, collections.deque(maxlen=SEEN))
+            if release_id in seen:
+                return
+            seen.append(release_id)
+            watches = list(self._watches.get(channel, ()))
+        for watch in watches:
+            watch.fire()
+
+
+_hubs: dict[tuple[int, int], Hub] = {}
+_hubs_lock = threading.Lock()
+
+
+def hub(pools: Sequence[redis.ConnectionPool]) -> Hub:
+    """Return this process's hub for ``pools`` (one per node set and process)."""
+    key = (os.getpid(), id(pools))
+    found = _hubs.get(key)
+    if found is None or found.pools != tuple(pools):
+        with _hubs_lock:
+            found = _hubs.get(key)
+            if found is None or found.pools != tuple(pools):
+                if len(_hubs) > 64:  # pools replaced by settings changes, or forks
+                    _hubs.clear()
+                found = _hubs[key] = Hub(pools)
+    return found
+
+
+def reset() -> None:
+    """Close every hub, as when the nodes change; the next waiter starts anew."""
+    with _hubs_lock:
+        old = list(_hubs.values())
+        _hubs.clear()
+    for found in old:
+        found.close()
+
+
+def _on_setting_changed(*, setting: str, **kwargs: object) -> None:
+    # New settings mean new pools (nodes.py): the old hubs' readers would listen
+    # to nodes no lock uses any more.
+    if setting in ("REDLOCK", "CACHES"):
+        reset()
+
+
+setting_changed.connect(_on_setting_changed, dispatch_uid="redlock_django.wake.reset")

@@ -1,0 +1,229 @@
+"""Waiters are woken by the release they wait for, not by their retry timer.
+
+The proofs count attempts and waits (the ``lock_acquired`` signal's ``attempts``
+and ``wakeups``), never wall time: with a 30 s retry delay a waiter that acquires
+after one wait cut short was woken, and the negative control (keys that vanish
+without a release, as on expiry) shows the timed fallback taking over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from redlock_django import Redlock, nodes, signals, wake
+from redlock_django.conf import get_settings
+from tests._nodes import NodeSet
+
+pytestmark = pytest.mark.django_db(transaction=False)
+
+#: Long enough that a waiter that sleeps it out would be obvious from its counts.
+SLOW_RETRY = 30.0
+
+
+@pytest.fixture
+def acquisitions() -> Iterator[list[dict[str, Any]]]:
+    """Collect the ``lock_acquired`` signals of the test."""
+    seen: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        seen.append(kwargs)
+
+    signals.lock_acquired.connect(receiver, weak=False)
+    try:
+        yield seen
+    finally:
+        signals.lock_acquired.disconnect(receiver)
+
+
+def _hub() -> wake.Hub:
+    config = get_settings()
+    return wake.hub(nodes.sync_pools(config.nodes, config.node_timeout))
+
+
+def _wait_for(condition: Callable[[], bool], what: str, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.005)
+
+
+def _subscribers(node_set: NodeSet) -> list[list[dict[str, str]]]:
+    """Per node, the client connections that hold channel subscriptions."""
+    found = []
+    for node in node_set:
+        clients = node.client().client_list()
+        found.append([c for c in clients if int(c.get("sub", 0)) > 0])
+    return found
+
+
+def _waiter(lock: Redlock, results: list[bool], **kwargs: Any) -> threading.Thread:
+    thread = threading.Thread(target=lambda: results.append(lock.acquire(**kwargs)))
+    thread.start()
+    return thread
+
+
+def test_waiter_is_woken_by_the_release_instead_of_sleeping_out_its_retry_delay(
+    redlock_settings: dict[str, Any], acquisitions: list[dict[str, Any]]
+) -> None:
+    holder = Redlock("wake:one")
+    assert holder.acquire(blocking=False)
+    waiter = Redlock("wake:one", retry_delay=SLOW_RETRY, retry_jitter=0)
+    results: list[bool] = []
+    thread = _waiter(waiter, results, timeout=SLOW_RETRY * 0.7)
+    channel = holder._resolve().spec.key.encode()
+    _wait_for(lambda: _hub().waiting(channel) == 1, "the waiter waits")
+    holder.release()
+    thread.join(timeout=SLOW_RETRY * 0.8)
+    assert results == [True], "the waiter was not woken by the release"
+    got = acquisitions[-1]
+    # One failed try, then every wait was cut short (the subscription's
+    # confirmation may add one early retry); none ran its 30 s delay.
+    assert 2 <= got["attempts"] <= 3
+    assert got["wakeups"] == got["attempts"] - 1
+    waiter_thread_owner = thread
+    del waiter_thread_owner  # the hold dies with its thread; keys expire via TTL
+
+
+def test_keys_that_vanish_without_a_release_fall_back_to_the_timed_retry(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    holder = Redlock("wake:expired")
+    assert holder.acquire(blocking=False)
+    waiter = Redlock("wake:expired", retry_delay=0.5, retry_jitter=0)
+    results: list[bool] = []
+    thread = _waiter(waiter, results, timeout=10)
+    key = holder._resolve().spec.key
+    channel = key.encode()
+    hub = _hub()
+    _wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
+    # Let the subscription's confirmation (an early retry) pass first.
+    _wait_for(
+        lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+        "every node confirms the subscription",
+    )
+    for node in nodes:  # as if the lease ran out: nothing is published
+        node.client().delete(key)
+    thread.join(timeout=10)
+    assert results == [True]
+    got = acquisitions[-1]
+    # The wait that ended in a free lock ran its full delay: no wake-up told it.
+    assert got["attempts"] - 1 - got["wakeups"] >= 1
+
+
+def test_async_waiter_is_woken_by_a_release_from_another_thread(
+    redlock_settings: dict[str, Any], acquisitions: list[dict[str, Any]]
+) -> None:
+    holder = Redlock("wake:async")
+    assert holder.acquire(blocking=False)
+    channel = holder._resolve().spec.key.encode()
+
+    async def wait_for_it() -> bool:
+        waiter = Redlock("wake:async", retry_delay=SLOW_RETRY, retry_jitter=0)
+        got = await waiter.aacquire(timeout=SLOW_RETRY * 0.7)
+        await waiter.arelease()
+        return got
+
+    results: list[bool] = []
+    thread = threading.Thread(target=lambda: results.append(asyncio.run(wait_for_it())))
+    thread.start()
+    _wait_for(lambda: _hub().waiting(channel) == 1, "the async waiter waits")
+    holder.release()
+    thread.join(timeout=SLOW_RETRY * 0.8)
+    assert results == [True]
+    got = acquisitions[-1]
+    assert got["wakeups"] == got["attempts"] - 1 >= 1
+
+
+def test_many_waiting_resources_share_one_subscriber_connection_per_node(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    count = 40
+    holders = [Redlock(f"wake:many:{i}") for i in range(count)]
+    for lock in holders:
+        assert lock.acquire(blocking=False)
+    results: list[bool] = []
+    threads = [
+        _waiter(
+            Redlock(f"wake:many:{i}", retry_delay=SLOW_RETRY),
+            results,
+            timeout=SLOW_RETRY * 0.7,
+        )
+        for i in range(count)
+    ]
+    hub = _hub()
+    channels = [lock._resolve().spec.key.encode() for lock in holders]
+    _wait_for(
+        lambda: all(hub.listening(i, c) for i in range(len(nodes)) for c in channels),
+        "every node confirms every channel",
+    )
+    # Readers of earlier tests' settings close within a poll; then one connection
+    # per node carries all forty channels (forty would mean one per resource).
+    _wait_for(
+        lambda: [len(c) for c in _subscribers(nodes)] == [1] * len(nodes),
+        "one subscriber connection per node",
+        limit=5,
+    )
+    assert all(int(clients[0]["sub"]) == count for clients in _subscribers(nodes))
+    for lock in holders:
+        lock.release()
+    for thread in threads:
+        thread.join(timeout=SLOW_RETRY * 0.8)
+    assert results == [True] * count
+
+
+def test_a_paused_node_does_not_stop_the_others_waking_the_waiter(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    holder = Redlock("wake:paused")
+    assert holder.acquire(blocking=False)
+    with nodes[4].paused():
+        waiter = Redlock("wake:paused", retry_delay=SLOW_RETRY, retry_jitter=0)
+        results: list[bool] = []
+        thread = _waiter(waiter, results, timeout=SLOW_RETRY * 0.7)
+        channel = holder._resolve().spec.key.encode()
+        hub = _hub()
+        _wait_for(
+            lambda: all(hub.listening(i, channel) for i in range(4)),
+            "the four live nodes confirm the subscription",
+        )
+        holder.release()
+        thread.join(timeout=SLOW_RETRY * 0.8)
+    assert results == [True]
+    got = acquisitions[-1]
+    assert got["wakeups"] == got["attempts"] - 1 >= 1
+
+
+def test_readers_close_their_connections_once_nobody_waits(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wake, "LINGER", 0.1)
+    holder = Redlock("wake:linger")
+    assert holder.acquire(blocking=False)
+    results: list[bool] = []
+    thread = _waiter(Redlock("wake:linger"), results, timeout=5)
+    channel = holder._resolve().spec.key.encode()
+    hub = _hub()
+    _wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
+    holder.release()
+    thread.join(timeout=5)
+    assert results == [True]
+    _wait_for(
+        lambda: (
+            not any(t.name.startswith("redlock-wake-") for t in threading.enumerate())
+        ),
+        "the reader threads end",
+    )
+    assert _subscribers(nodes) == [[] for _ in nodes]
