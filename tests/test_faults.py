@@ -1397,3 +1397,305 @@ def test_matrix_restarted_node_double_grants_only_when_it_returns_empty_at_once(
     if restart == "appendfsync-always":
         assert tally.scan(node_set) == []
     assert found == (rounds if restart == "immediate" else 0)
+
+
+# Scenario 9: extension.
+
+
+def test_matrix_extensions_fail_on_a_minority_or_after_expiry_and_watchdogs_stop(
+    redlock_settings: dict[str, Any], nodes: NodeSet, matrix: Any
+) -> None:
+    """Sync and async rounds: an extension confirmed by all nodes succeeds; one
+    confirmed by a minority (keys gone from nodes 0-2) fails and re-creates
+    nothing; one after the lease ran out raises LockLostError and revives
+    nothing. Then the watchdog: capped by ``max_hold`` (the loss reaches the
+    holder), and stopped at release (PTTL sampled after release: no key)."""
+    tally = matrix(9)
+    extends = {"tried": 0, "ok": 0}
+
+    async def rounds(mode: str) -> None:
+        api = make_api(mode)
+        try:
+            for round_ in range(4):
+                name = f"m9-{mode}-{round_}"
+                lock = Redlock(name, ttl=5.0)
+                assert await timed_acquire(tally, api, lock, blocking=False)
+                assert await api.extend(lock)
+                for node in nodes[:3]:
+                    with node.client() as client:
+                        client.delete(lock_key(name))
+                assert not await api.extend(lock, 8.0)
+                extends["tried"] += 2
+                extends["ok"] += 1
+                assert tokens(nodes, name)[:3] == [None] * 3
+                with pytest.raises(LockLostError, match="only 2/5"):
+                    await api.release(lock)
+
+                expired = Redlock(f"{name}-expired", ttl=0.2)
+                assert await timed_acquire(tally, api, expired, blocking=False)
+                await asyncio.sleep(0.25)
+                with pytest.raises(LockLostError):
+                    await api.extend(expired)
+                extends["tried"] += 1
+                assert tokens(nodes, f"{name}-expired") == [None] * 5
+                with pytest.raises(LockLostError):
+                    await api.release(expired)
+
+            capped = Redlock(f"m9-{mode}-cap", ttl=0.2, auto_extend=True, max_hold=0.5)
+            assert await timed_acquire(tally, api, capped, blocking=False)
+            deadline = time.monotonic() + 3.0
+            while not await api.look(capped, "lost"):
+                assert time.monotonic() < deadline, "the watchdog was not capped"
+                await asyncio.sleep(0.05)
+            assert tokens(nodes, f"m9-{mode}-cap") == [None] * 5
+            with pytest.raises(LockLostError):
+                await api.release(capped)
+
+            watched = Redlock(f"m9-{mode}-stop", ttl=0.2, auto_extend=True)
+            assert await timed_acquire(tally, api, watched, blocking=False)
+            await asyncio.sleep(0.35)  # a few extensions
+            assert not await api.look(watched, "lost")
+            await api.release(watched)
+            for _ in range(8):
+                with nodes[0].client() as client:
+                    assert client.pttl(lock_key(f"m9-{mode}-stop")) == -2
+                await asyncio.sleep(0.05)
+        finally:
+            await api.aclose()
+
+    asyncio.run(rounds("sync"))
+    asyncio.run(rounds("async"))
+    tally.add(extends["tried"], extends["ok"])
+    tally.note("tried/succeeded include explicit extensions; latency is acquire only")
+    assert not [t.name for t in threading.enumerate() if "watchdog" in t.name.lower()]
+
+
+# Scenario 10: holders killed with kill -9.
+
+
+def test_matrix_killed_holders_locks_are_free_within_ttl_plus_one_retry(
+    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet, matrix: Any
+) -> None:
+    """Four holder processes (two fenced) each take a lock and are killed with
+    SIGKILL; two threads and two asyncio tasks, waiting meanwhile, each get one
+    of those locks no earlier than the dead holder's validity end and no later
+    than TTL + one retry delay (+ a node round trip) after its grant."""
+    tally = matrix(10)
+    ttl = 1.0
+    settings.REDLOCK = {**redlock_settings, "TTL": ttl}
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), env.get("PYTHONPATH")])
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests._holders",
+                "hold",
+                "--nodes",
+                ",".join(nodes.urls),
+                "--resource",
+                f"m10-{i}",
+                "--ttl",
+                str(ttl),
+                *(["--fencing"] if i % 2 else []),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
+    held: list[dict[str, Any]] = []
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line, proc.communicate(5)
+            held.append(json.loads(line))
+            proc.send_signal(signal.SIGKILL)
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.communicate(5)
+    tally.add(len(held), len(held))
+    got: dict[int, tuple[float, float]] = {}
+
+    async def take(api: Any, i: int) -> None:
+        lock = Redlock(f"m10-{i}", fencing=bool(i % 2))
+        assert await timed_acquire(tally, api, lock, timeout=3.0)
+        at = time.monotonic()
+        got[i] = (at, at + await api.look(lock, "validity"))
+        if i % 2:
+            assert await api.look(lock, "fencing_token") == 2
+        await api.release(lock)
+
+    async def main() -> None:
+        apis = [
+            make_api("sync"),
+            make_api("sync"),
+            make_api("async"),
+            make_api("async"),
+        ]
+        try:
+            await asyncio.gather(*(take(api, i) for i, api in enumerate(apis)))
+        finally:
+            for api in apis:
+                await api.aclose()
+
+    asyncio.run(main())
+    retry = redlock_settings["RETRY_DELAY"] + redlock_settings["RETRY_JITTER"]
+    for i, report in enumerate(held):
+        at, valid_until = got[i]
+        assert at >= report["valid_until"]
+        assert (
+            at - report["started"]
+            <= ttl + retry + redlock_settings["NODE_TIMEOUT"] + 0.2
+        )
+        found = tally.check(
+            [Window(report["started"], report["valid_until"]), Window(at, valid_until)]
+        )
+        assert found == 0
+    tally.note("tried includes the 4 holders' own acquisitions (latency not measured)")
+
+
+# Scenario 11: NOSCRIPT.
+
+
+def test_matrix_every_operation_survives_script_flush(
+    redlock_settings: dict[str, Any], nodes: NodeSet, matrix: Any
+) -> None:
+    """Sync and async rounds with SCRIPT FLUSH on every node before each acquire,
+    extend and release: every operation succeeds and no round leaves a key."""
+    tally = matrix(11)
+
+    async def rounds(mode: str) -> None:
+        api = make_api(mode)
+        try:
+            for round_ in range(8):
+                lock = Redlock(f"m11-{mode}")
+                flush_scripts(nodes)
+                assert await timed_acquire(tally, api, lock, blocking=False)
+                if round_ % 2:
+                    flush_scripts(nodes)
+                    assert await api.extend(lock)
+                flush_scripts(nodes)
+                await api.release(lock)
+                assert tokens(nodes, f"m11-{mode}") == [None] * 5
+        finally:
+            await api.aclose()
+
+    asyncio.run(rounds("sync"))
+    asyncio.run(rounds("async"))
+
+
+# Scenario 12: asyncio cancellation behind a 100 ms delay (redis-py #2665).
+
+
+def test_matrix_cancelled_acquire_release_and_extend_leave_a_consistent_lock(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    proxies: list[FaultProxy],
+    matrix: Any,
+) -> None:
+    """Every reply is 100 ms late. Acquire, release and aextend are cancelled at
+    points before, during and after their round trips: a cancelled
+    acquire leaves no key, a cancelled release can be retried and frees the
+    lock, a cancelled aextend leaves the lock held and releasable; then many
+    ECHOs on the same pools, some cancelled too, each get their own reply."""
+    from redlock_django import nodes as node_pools
+    from redlock_django.conf import get_settings
+
+    tally = matrix(12)
+    proxied(settings, redlock_settings, proxies, NODE_TIMEOUT=0.5)
+    for proxy in proxies:
+        proxy.delay(0.1)
+
+    async def cancel_after(coro: Any, seconds: float) -> Any:
+        """Await ``coro`` in this task (the lock's owner), cancelled after
+        ``seconds`` unless done; return its result or "cancelled"."""
+        task = asyncio.current_task()
+        assert task is not None
+        timer = asyncio.get_running_loop().call_later(seconds, task.cancel)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            task.uncancel()
+            return "cancelled"
+        finally:
+            timer.cancel()
+
+    async def main() -> dict[str, int]:
+        outcomes = {"acquire": 0, "release": 0, "extend": 0}
+        # Before the first send, mid round trip, near the reply, and after the
+        # operation ended (the control: nothing to cancel).
+        for round_, point in enumerate((0.0, 0.04, 0.08, 0.12, 0.3)):
+            lock = Redlock(f"m12-a{round_}")
+            with tally.attempt() as attempt:
+                result = await cancel_after(lock.aacquire(blocking=False), point)
+                attempt.ok = result is True
+            if result is True:
+                await lock.arelease()
+            outcomes["acquire"] += result == "cancelled"
+            assert tokens(nodes, f"m12-a{round_}") == [None] * 5
+
+            lock = Redlock(f"m12-r{round_}")
+            assert await timed_acquire(tally, OWN_TASK, lock, blocking=False)
+            result = await cancel_after(lock.arelease(), point)
+            outcomes["release"] += result == "cancelled"
+            if lock.owned():
+                await lock.arelease()  # the retry
+            assert not lock.owned()
+            assert tokens(nodes, f"m12-r{round_}") == [None] * 5
+
+            lock = Redlock(f"m12-e{round_}")
+            assert await timed_acquire(tally, OWN_TASK, lock, blocking=False)
+            result = await cancel_after(lock.aextend(), point)
+            outcomes["extend"] += result == "cancelled"
+            assert lock.owned() and not lock.lost
+            held = tokens(nodes, f"m12-e{round_}")
+            assert None not in held and len(set(held)) == 1
+            await lock.arelease()
+            assert tokens(nodes, f"m12-e{round_}") == [None] * 5
+
+        # P5: later commands on the same pools get their own replies.
+        config = get_settings()
+        clients = node_pools.async_clients(config.nodes, config.node_timeout)
+        for i, client in enumerate(clients):
+            words = [f"n{i}-{n}" for n in range(12)]
+            doomed = [
+                asyncio.ensure_future(client.echo(f"doomed-{i}-{n}")) for n in range(3)
+            ]
+            await asyncio.sleep(0.02)
+            for task in doomed:
+                task.cancel()
+            await asyncio.gather(*doomed, return_exceptions=True)
+            replies = await asyncio.gather(*(client.echo(w) for w in words))
+            assert replies == [w.encode() for w in words]
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    tally.note(f"cancelled mid-operation: {outcomes}")
+    # The random points did hit operations in flight.
+    assert all(count > 0 for count in outcomes.values()), outcomes
+    for proxy in proxies:
+        proxy.pass_through()
+
+
+class _OwnTask:
+    """A stand-in ``api`` that calls the asyncio API in the current task."""
+
+    mode = "async"
+
+    async def acquire(self, lock: Redlock, **kwargs: Any) -> bool:
+        return await lock.aacquire(**kwargs)
+
+
+OWN_TASK = _OwnTask()
