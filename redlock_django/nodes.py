@@ -6,6 +6,20 @@ defaults to 5 s timeouts and 10 retries, so one hung node would cost a minute, a
 a retried SET NX is not idempotent). RESP2 and no CLIENT SETINFO, so a new
 connection costs no extra round trip. asyncio pools belong to one event loop, so
 they are cached per loop.
+
+Blocking TLS connections use redis-py's pure-Python reply parser, even when hiredis
+is installed. With TLS 1.3 the server sends its session tickets just after the
+handshake; with nothing sent on connect, they are still unread when the pool checks
+the fresh connection for leftover data. The hiredis parser only asks the socket
+whether it is readable, takes the tickets for a stray reply, and the pool reconnects,
+or fails with "Connection not ready" (about one new TLS connection in six on
+loopback). The Python parser reads through the TLS layer, which consumes them.
+
+Building an ``ssl.SSLContext`` loads the system CA store: 30-60 ms of CPU. redis-py
+builds one per asyncio connection, inside the node call, and on the event loop, so
+the first fan-out to N TLS nodes spent N times that under one NODE_TIMEOUT and the
+last nodes timed out. An asyncio pool here builds its context once, when the pool
+is made (before any timed call), and every connection of the pool shares it.
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.connection
 import redis.connection
+from redis._parsers import _RESP2Parser
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -51,6 +66,15 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
 
 
+class _SharedContextSSLConnection(redis.asyncio.connection.SSLConnection):
+    """An asyncio TLS connection that uses its pool's ready-made SSL context."""
+
+    def __init__(self, *, shared_context: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if shared_context is not None:
+            self.ssl_context = shared_context
+
+
 def _kwargs(node: NodeSpec, timeout: float) -> tuple[type[Any], dict[str, Any]]:
     connection_class, kwargs = connection_params(node)
     kwargs.update(
@@ -67,6 +91,8 @@ def _kwargs(node: NodeSpec, timeout: float) -> tuple[type[Any], dict[str, Any]]:
         kwargs["protocol"] = 2
     for unused in ("connection_pool_class", "max_connections_per_node"):
         kwargs.pop(unused, None)
+    # A cache's pool may name its parser: only the blocking pools get one here.
+    kwargs.pop("parser_class", None)
     return connection_class, kwargs
 
 
@@ -87,6 +113,8 @@ def sync_pools(
                 made = []
                 for node in nodes:
                     connection_class, kwargs = _kwargs(node, timeout)
+                    if issubclass(connection_class, redis.connection.SSLConnection):
+                        kwargs["parser_class"] = _RESP2Parser
                     made.append(
                         redis.ConnectionPool(
                             connection_class=connection_class, **kwargs
@@ -114,6 +142,11 @@ def async_clients(
                 )
                 if async_class is None:
                     async_class = redis.asyncio.connection.Connection
+                elif issubclass(async_class, redis.asyncio.connection.SSLConnection):
+                    async_class = _SharedContextSSLConnection
+                    context = async_class(**kwargs).ssl_context
+                    context.get()  # built now, outside every node timeout
+                    kwargs["shared_context"] = context
                 pool = redis.asyncio.ConnectionPool(
                     connection_class=async_class, **kwargs
                 )

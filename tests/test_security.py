@@ -1,0 +1,323 @@
+"""Security: TLS, ACL users, credentials on every surface, tokens, force release.
+
+Everything runs against real ``redis-server`` processes: TLS-only servers with
+certificates the tests make (``tests/_tls.py``), servers with ACL users and a
+password on the default user, and the session's five plain nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from redlock_django import QuorumUnavailableError, Redlock
+from redlock_django import conf as redlock_conf
+from redlock_django import nodes as node_pools
+from tests._nodes import NodeSet, RedisNodeError
+from tests._tls import (
+    Certificates,
+    TLSRedisNode,
+    TLSUnavailableError,
+    make_certificates,
+)
+
+KEY = "redlock:lock:{}"
+# Generous for a 2-core machine shared with other test runs. A new TLS connection
+# costs 30-60 ms of CPU in redis-py (a fresh SSLContext loading the system CAs),
+# and the asyncio driver makes them one after the other on its loop.
+NODE_TIMEOUT = 0.5
+#: NODE_TIMEOUT of the tests where every node fails: the failure must come within
+#: node timeouts, never after WAIT_TIMEOUT (a node that refuses us is an outage,
+#: not contention).
+FAIL_TIMEOUT = 0.2
+
+
+def bound(node_count: int) -> float:
+    """Return the longest a refused acquisition may take.
+
+    The blocking driver opens connections one node after the other, and a TLS
+    handshake that hangs (a frozen server, or a plaintext one that waits for the
+    end of a line) waits out the connect timeout on each: two fan-outs (the
+    attempt and its clean-up) cost up to 2 x nodes x NODE_TIMEOUT, plus a margin.
+    """
+    return 2 * node_count * FAIL_TIMEOUT + 1.0
+
+
+def lock_settings(urls: list[str], **overrides: Any) -> dict[str, Any]:
+    return {
+        "NODES": urls,
+        "TTL": 10.0,
+        "NODE_TIMEOUT": NODE_TIMEOUT,
+        "RETRY_DELAY": 0.02,
+        "RETRY_JITTER": 0.02,
+        "WAIT_TIMEOUT": 5.0,
+        **overrides,
+    }
+
+
+def refused(acquire: Callable[[], Any]) -> tuple[QuorumUnavailableError, float]:
+    """Run ``acquire``, which must raise QuorumUnavailableError; return it and how
+    long it took."""
+    started = time.monotonic()
+    with pytest.raises(QuorumUnavailableError) as caught:
+        acquire()
+    return caught.value, time.monotonic() - started
+
+
+# --- TLS ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    try:
+        return make_certificates(tmp_path_factory.mktemp("tls"))
+    except TLSUnavailableError as exc:
+        pytest.skip(str(exc))
+
+
+def start_tls_nodes(
+    count: int, directory: Path, certificates: Certificates, **options: Any
+) -> NodeSet:
+    node_set = NodeSet(
+        TLSRedisNode(directory / f"node{i}", certificates, **options)
+        for i in range(count)
+    )
+    try:
+        node_set.start_all()
+    except RedisNodeError as exc:
+        if "tls" in str(exc).lower():
+            pytest.skip(f"this redis-server cannot serve TLS: {exc}")
+        raise
+    return node_set
+
+
+@pytest.fixture(scope="module")
+def tls_servers(
+    certificates: Certificates, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeSet]:
+    """Three TLS-only servers (no plaintext port) for the module."""
+    node_set = start_tls_nodes(3, tmp_path_factory.mktemp("tls-nodes"), certificates)
+    try:
+        yield node_set
+    finally:
+        node_set.stop_all()
+
+
+@pytest.fixture
+def tls_nodes(tls_servers: NodeSet) -> Iterator[NodeSet]:
+    tls_servers.ensure_running()
+    tls_servers.flush_all()
+    try:
+        yield tls_servers
+    finally:
+        tls_servers.resume_all()
+
+
+def held_on(node_set: NodeSet, resource: str) -> int:
+    return sum(node.client().exists(KEY.format(resource)) for node in node_set)
+
+
+def test_tls_nodes_with_their_ca_lock_extend_and_release(
+    settings: Any, tls_nodes: NodeSet
+) -> None:
+    """``rediss://`` URLs naming the CA in ``ssl_ca_certs`` work like plain ones."""
+    assert all(url.startswith("rediss://") for url in tls_nodes.urls)
+    settings.REDLOCK = lock_settings(tls_nodes.urls)
+    with Redlock("over-tls") as lock:
+        assert lock.owned()
+        assert held_on(tls_nodes, "over-tls") == 3
+        assert lock.extend(20.0)
+        assert all(
+            node.client().pttl(KEY.format("over-tls")) > 10_000 for node in tls_nodes
+        )
+    assert held_on(tls_nodes, "over-tls") == 0
+
+
+async def test_tls_nodes_with_their_ca_lock_and_release_from_asyncio(
+    settings: Any, tls_nodes: NodeSet
+) -> None:
+    """The asyncio driver opens its own TLS connections with the same options."""
+    settings.REDLOCK = lock_settings(tls_nodes.urls)
+    async with Redlock("over-tls-async") as lock:
+        assert lock.owned()
+        assert await asyncio.to_thread(held_on, tls_nodes, "over-tls-async") == 3
+        assert await lock.aextend(20.0)
+    assert await asyncio.to_thread(held_on, tls_nodes, "over-tls-async") == 0
+
+
+async def test_first_asyncio_acquire_over_tls_fits_a_short_node_timeout(
+    settings: Any, tls_nodes: NodeSet
+) -> None:
+    """New asyncio TLS connections cost no CPU-heavy SSL setup inside a node call.
+
+    Each SSL context loads the system CAs (30-60 ms of CPU); built per connection
+    on the event loop, three of them overran the default 0.05 s NODE_TIMEOUT, so
+    the first lock after start-up failed. The pools now build one context up front.
+    """
+    settings.REDLOCK = lock_settings(tls_nodes.urls, NODE_TIMEOUT=0.05)
+    for attempt in range(3):
+        node_pools.reset()  # new pools, new connections
+        lock = Redlock(f"first-{attempt}")
+        assert await lock.aacquire(blocking=False)
+        await lock.arelease()
+
+
+def test_fresh_tls_connections_never_fail_on_session_tickets(
+    settings: Any, tls_nodes: NodeSet
+) -> None:
+    """Every new TLS connection of a blocking pool works on its first use.
+
+    TLS 1.3 session tickets arrive just after the handshake; redis-py's hiredis
+    parser took them for a stray reply, and the pool then failed with "Connection
+    not ready" (measured: 15 of 100 new connections). 40 new connections must all
+    answer: with the bug, the chance that all 40 pass is about 0.85**40, 1 in 600.
+    """
+    settings.REDLOCK = lock_settings(tls_nodes.urls[:1])
+    conf = redlock_conf.get_settings()
+    [pool] = node_pools.sync_pools(conf.nodes, NODE_TIMEOUT)
+    failures: list[str] = []
+    for _ in range(40):
+        pool.disconnect()  # the next get_connection() connects anew
+        try:
+            connection = pool.get_connection()
+        except redis.ConnectionError as exc:
+            failures.append(str(exc))
+            continue
+        connection.send_command("PING")
+        assert connection.read_response() == b"PONG"
+        pool.release(connection)
+    assert failures == []
+
+
+def test_wrong_ca_fails_fast_naming_the_certificate_on_every_node(
+    settings: Any, tls_nodes: NodeSet, certificates: Certificates
+) -> None:
+    """A server certificate the given CA did not sign is an outage, never a lock."""
+    urls = [
+        url.replace(str(certificates.ca), str(certificates.wrong_ca))
+        for url in tls_nodes.urls
+    ]
+    settings.REDLOCK = lock_settings(urls, NODE_TIMEOUT=FAIL_TIMEOUT)
+    error, took = refused(lambda: Redlock("wrong-ca").acquire())
+    assert took < bound(3)
+    assert error.granted == 0 and len(error.failed) == 3
+    for name, reason in error.failed.items():
+        assert name.startswith("rediss://127.0.0.1:")
+        assert "CERTIFICATE_VERIFY_FAILED" in reason, reason
+    assert "certificate verify failed" in str(error)
+    assert held_on(tls_nodes, "wrong-ca") == 0
+
+
+def test_tls_without_a_ca_does_not_trust_a_private_certificate(
+    settings: Any, tls_nodes: NodeSet
+) -> None:
+    """Without ``ssl_ca_certs`` only the system's CAs count: the test CA is not one."""
+    urls = [url.partition("?")[0] for url in tls_nodes.urls]
+    settings.REDLOCK = lock_settings(urls, NODE_TIMEOUT=FAIL_TIMEOUT)
+    error, took = refused(lambda: Redlock("no-ca").acquire())
+    assert took < bound(3)
+    assert all("CERTIFICATE_VERIFY_FAILED" in r for r in error.failed.values())
+
+
+async def test_wrong_ca_fails_the_same_way_from_asyncio(
+    settings: Any, tls_nodes: NodeSet, certificates: Certificates
+) -> None:
+    urls = [
+        url.replace(str(certificates.ca), str(certificates.wrong_ca))
+        for url in tls_nodes.urls
+    ]
+    settings.REDLOCK = lock_settings(urls, NODE_TIMEOUT=FAIL_TIMEOUT)
+    started = time.monotonic()
+    with pytest.raises(QuorumUnavailableError) as caught:
+        await Redlock("wrong-ca-async").aacquire()
+    assert time.monotonic() - started < bound(3)
+    assert len(caught.value.failed) == 3
+    for reason in caught.value.failed.values():
+        assert "CERTIFICATE_VERIFY_FAILED" in reason, reason
+
+
+def test_plaintext_client_on_the_tls_port_fails_clearly(
+    settings: Any, tls_nodes: NodeSet
+) -> None:
+    """``redis://`` against a TLS-only port is refused per node, never a lock."""
+    urls = [f"redis://127.0.0.1:{port}/0" for port in tls_nodes.ports]
+    settings.REDLOCK = lock_settings(urls, NODE_TIMEOUT=FAIL_TIMEOUT)
+    error, took = refused(lambda: Redlock("plaintext").acquire())
+    assert took < bound(3)
+    assert error.granted == 0 and len(error.failed) == 3
+    for reason in error.failed.values():
+        # The server resets the connection on the first plaintext bytes.
+        assert reason.startswith("ConnectionError"), reason
+    assert held_on(tls_nodes, "plaintext") == 0
+
+
+def test_tls_client_on_a_plaintext_port_fails_clearly(
+    settings: Any, nodes: NodeSet, certificates: Certificates
+) -> None:
+    """``rediss://`` against a plaintext server fails in the handshake."""
+    urls = [
+        f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={certificates.ca}"
+        for port in nodes.ports[:3]
+    ]
+    settings.REDLOCK = lock_settings(urls, NODE_TIMEOUT=FAIL_TIMEOUT)
+    error, took = refused(lambda: Redlock("tls-to-plain").acquire())
+    assert took < bound(3)
+    assert len(error.failed) == 3
+    for reason in error.failed.values():
+        # The server reads the ClientHello as the start of an inline command and
+        # waits for its end of line: the handshake times out.
+        assert reason == "timed out", reason
+    assert sum(n.client().exists(KEY.format("tls-to-plain")) for n in nodes) == 0
+
+
+def test_paused_tls_nodes_cost_at_most_a_node_timeout(
+    settings: Any, tls_nodes: NodeSet
+) -> None:
+    """A frozen TLS server stalls the handshake; NODE_TIMEOUT bounds it too."""
+    settings.REDLOCK = lock_settings(tls_nodes.urls, NODE_TIMEOUT=FAIL_TIMEOUT)
+    with tls_nodes[2].paused():
+        node_pools.reset()  # new connections: the handshake itself must time out
+        with Redlock("one-frozen") as lock:
+            assert lock.owned()
+        with tls_nodes[1].paused():
+            node_pools.reset()
+            error, took = refused(lambda: Redlock("two-frozen").acquire())
+    assert took < bound(3)
+    assert sorted(error.failed.values()) == ["timed out", "timed out"]
+
+
+def test_mutual_tls_needs_the_client_certificate(
+    settings: Any, certificates: Certificates, tmp_path: Path
+) -> None:
+    """With ``tls-auth-clients yes`` a URL with ``ssl_certfile``/``ssl_keyfile``
+    locks; the same URL without them is refused."""
+    node_set = start_tls_nodes(1, tmp_path, certificates, client_certificates=True)
+    try:
+        [url] = node_set.urls
+        assert "ssl_certfile=" in url
+        settings.REDLOCK = lock_settings([url], NODE_TIMEOUT=FAIL_TIMEOUT)
+        with Redlock("mtls") as lock:
+            assert lock.owned()
+        bare = f"rediss://127.0.0.1:{node_set[0].port}/0?ssl_ca_certs={certificates.ca}"
+        settings.REDLOCK = lock_settings([bare], NODE_TIMEOUT=FAIL_TIMEOUT)
+        error, took = refused(lambda: Redlock("mtls").acquire())
+        assert took < bound(1)
+        [reason] = error.failed.values()
+        assert reason.startswith("ConnectionError"), reason
+    finally:
+        node_set.stop_all()
+
+
+def test_tls_settings_never_show_the_certificate_paths_or_query(
+    tls_nodes: NodeSet,
+) -> None:
+    """Node names are scheme, host, port and db: the query string is left out."""
+    node = redlock_conf.parse_node(tls_nodes.urls[0] + "&password=hunter2", 0)
+    assert node.display == f"rediss://127.0.0.1:{tls_nodes.ports[0]}/0"
+    assert "hunter2" not in repr(node) and "ssl_ca_certs" not in repr(node)
