@@ -321,3 +321,205 @@ def test_tls_settings_never_show_the_certificate_paths_or_query(
     node = redlock_conf.parse_node(tls_nodes.urls[0] + "&password=hunter2", 0)
     assert node.display == f"rediss://127.0.0.1:{tls_nodes.ports[0]}/0"
     assert "hunter2" not in repr(node) and "ssl_ca_certs" not in repr(node)
+
+
+# --- ACL users ----------------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "security.md"
+APP_PASSWORD = "app-pa55-never-shown"
+OPS_PASSWORD = "ops-pa55-never-shown"
+ADMIN_PASSWORD = "admin-pa55-never-shown"
+PASSWORDS = (APP_PASSWORD, OPS_PASSWORD, ADMIN_PASSWORD)
+
+
+def documented_acl(user: str) -> list[str]:
+    """Return the ``ACL SETUSER <user>`` line of docs/security.md as arguments."""
+    for line in DOCS.read_text().splitlines():
+        if line.startswith(f"ACL SETUSER {user} "):
+            return line.split()[2:]
+    raise AssertionError(f"docs/security.md has no ACL SETUSER {user} line")
+
+
+@pytest.fixture
+def acl_nodes(make_nodes: Callable[..., NodeSet]) -> Iterator[list[redis.Redis]]:
+    """Three servers with the documented users and a password on the default user.
+
+    Yields one admin client per node (the tests' own view of the keys).
+    """
+    node_set = make_nodes(3)
+    admins = []
+    for node in node_set:
+        with node.client() as client:
+            for user, password in (
+                ("redlock-app", APP_PASSWORD),
+                ("redlock-ops", OPS_PASSWORD),
+            ):
+                rules = documented_acl(user)
+                rules = [f">{password}" if r == ">CHANGE-ME" else r for r in rules]
+                client.execute_command("ACL", "SETUSER", *rules)
+            client.config_set("requirepass", ADMIN_PASSWORD)
+        admins.append(node.client(password=ADMIN_PASSWORD))
+    yield admins
+    for admin in admins:
+        admin.close()
+
+
+def acl_urls(admins: list[redis.Redis], userinfo: str) -> list[str]:
+    ports = [admin.connection_pool.connection_kwargs["port"] for admin in admins]
+    at = f"{userinfo}@" if userinfo else ""
+    return [f"redis://{at}127.0.0.1:{port}/0" for port in ports]
+
+
+def test_documented_app_user_can_lock_extend_fence_and_release(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    """The least-privilege app user of docs/security.md is all a lock needs."""
+    urls = acl_urls(acl_nodes, f"redlock-app:{APP_PASSWORD}")
+    settings.REDLOCK = lock_settings(urls)
+    with Redlock("acl:job", fencing=True) as lock:
+        assert lock.owned() and lock.fencing_token == 1
+        assert all(a.hget(KEY.format("acl:job"), "token") for a in acl_nodes)
+        assert lock.extend(20.0)
+        assert lock.locked()
+    assert sum(a.exists(KEY.format("acl:job")) for a in acl_nodes) == 0
+
+
+async def test_documented_app_user_locks_from_asyncio(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    urls = acl_urls(acl_nodes, f"redlock-app:{APP_PASSWORD}")
+    settings.REDLOCK = lock_settings(urls)
+    async with Redlock("acl:async") as lock:
+        assert lock.owned()
+        assert await lock.aextend(20.0)
+
+
+def test_documented_ops_user_can_inspect_and_force_release(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    """The ops user sees node health and held locks, and can force-release."""
+    from redlock_django import inspect
+
+    settings.REDLOCK = lock_settings(acl_urls(acl_nodes, f"redlock-app:{APP_PASSWORD}"))
+    lock = Redlock("acl:stuck")
+    assert lock.acquire()
+    settings.REDLOCK = lock_settings(acl_urls(acl_nodes, f"redlock-ops:{OPS_PASSWORD}"))
+    statuses = inspect.node_status()
+    assert [s.reachable for s in statuses] == [True] * 3
+    assert all(s.version and s.lock_keys == 1 for s in statuses)
+    [held] = inspect.held_locks()
+    assert held.resource == "acl:stuck" and held.held_on == 3
+    outcome = inspect.force_release("acl:stuck", held.token_digest)
+    assert outcome.released == (0, 1, 2)
+    assert sum(a.exists(KEY.format("acl:stuck")) for a in acl_nodes) == 0
+
+
+def test_app_user_cannot_touch_keys_outside_the_prefix(
+    acl_nodes: list[redis.Redis],
+) -> None:
+    """Negative control of the key pattern: the app user is refused other keys."""
+    port = acl_nodes[0].connection_pool.connection_kwargs["port"]
+    app = redis.Redis(
+        port=port, username="redlock-app", password=APP_PASSWORD, protocol=2
+    )
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        app.set("session:123", "x")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        app.flushall()
+    app.close()
+
+
+def acl_failure(
+    settings: Any, urls: list[str], **overrides: Any
+) -> QuorumUnavailableError:
+    settings.REDLOCK = lock_settings(urls, NODE_TIMEOUT=FAIL_TIMEOUT, **overrides)
+    error, took = refused(lambda: Redlock("acl:refused").acquire())
+    assert took < bound(len(urls))
+    assert error.granted == 0 and len(error.failed) == len(urls)
+    text = str(error) + repr(error.failed) + repr(error)
+    for password in PASSWORDS:
+        assert password not in text
+    ports = [url.rpartition(":")[2].partition("/")[0] for url in urls]
+    assert list(error.failed) == [f"redis://127.0.0.1:{port}/0" for port in ports]
+    return error
+
+
+def test_no_password_given_is_a_clear_noauth_error_per_node(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    error = acl_failure(settings, acl_urls(acl_nodes, ""))
+    for reason in error.failed.values():
+        assert reason == "AuthenticationError: Authentication required.", reason
+
+
+def test_wrong_password_is_a_clear_wrongpass_error_per_node(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    error = acl_failure(
+        settings, acl_urls(acl_nodes, f"redlock-app:not-{APP_PASSWORD}")
+    )
+    for reason in error.failed.values():
+        assert "invalid username-password pair" in reason, reason
+        assert reason.startswith("AuthenticationError"), reason
+
+
+def test_user_without_eval_gets_a_clear_noperm_error_per_node(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    for admin in acl_nodes:
+        admin.execute_command(
+            "ACL", "SETUSER", "no-eval", "on", ">no-eval-pw", "~redlock:*", "-@all",
+            "+hget", "+hset", "+pexpire", "+del", "+get", "+set", "+pttl",
+        )  # fmt: skip
+    error = acl_failure(settings, acl_urls(acl_nodes, "no-eval:no-eval-pw"))
+    for reason in error.failed.values():
+        assert reason.startswith("NoPermissionError"), reason
+        assert "no permissions to run the 'evalsha' command" in reason, reason
+
+
+def test_key_pattern_not_covering_the_prefix_gets_a_clear_noperm_error(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    """The documented user, with KEY_PREFIX outside its ``~redlock:*`` pattern."""
+    error = acl_failure(
+        settings,
+        acl_urls(acl_nodes, f"redlock-app:{APP_PASSWORD}"),
+        KEY_PREFIX="other",
+    )
+    for reason in error.failed.values():
+        assert reason.startswith("NoPermissionError"), reason
+        assert "no permissions to access one of the keys" in reason, reason
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs protocol._error to name each failed node by index, e.g. "
+    "'node[0] redis://127.0.0.1:7001/0: ...' (protocol.py is the lead's)",
+)
+def test_failure_message_names_each_node_by_index(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    error = acl_failure(settings, acl_urls(acl_nodes, ""))
+    for index, name in enumerate(error.failed):
+        assert f"node[{index}] {name}" in str(error)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the scripts read the owner with redis.pcall('hget') and take any error "
+    "reply (meant for WRONGTYPE) for another owner's key, so a NOPERM inside the "
+    "script reads as contention; scripts.py is the lead's",
+)
+def test_user_without_hget_gets_a_noperm_error_not_contention(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    rules = [r for r in documented_acl("redlock-app") if r != "+hget"]
+    rules = ["no-hget" if r == "redlock-app" else r for r in rules]
+    rules = [">no-hget-pw" if r == ">CHANGE-ME" else r for r in rules]
+    for admin in acl_nodes:
+        admin.execute_command("ACL", "SETUSER", *rules)
+    error = acl_failure(
+        settings, acl_urls(acl_nodes, "no-hget:no-hget-pw"), WAIT_TIMEOUT=0.3
+    )
+    for reason in error.failed.values():
+        assert "no permissions" in reason or "can't run this command" in reason
