@@ -5,8 +5,11 @@ runs, so ``manage.py check`` and the ``ImproperlyConfigured`` raised at runtime
 always agree, word for word. The messages carry the offending value (URLs masked),
 so they are built there; this module keeps the ids, one constant each.
 
-These checks never touch the network: they run before almost every management
-command.
+``check_settings`` never touches the network: it runs before almost every
+management command. ``check_nodes`` asks every node about itself, so it runs only
+with ``manage.py check --deploy`` (tags ``redlock`` and ``redlock_nodes``); each
+node costs at most one NODE_TIMEOUT to connect and one to answer, so a dead or
+frozen node cannot hang it.
 
 Errors:
 
@@ -22,6 +25,10 @@ Errors:
 - E009 ``WAIT_TIMEOUT``, ``RETRY_DELAY``, ``RETRY_JITTER`` or ``MAX_HOLD`` is invalid.
 - E010 ``KEY_PREFIX`` is invalid.
 - E011 ``AUTO_EXTEND`` is not a bool.
+- E012 (deploy) a node is a replica: it refuses writes, and a failover can
+  promote it without the keys its master granted.
+- E013 (deploy) two nodes are one server (same ``run_id`` and database) reached
+  by different addresses, which the static E005 cannot see (DNS names, proxies).
 
 Warnings:
 
@@ -29,6 +36,13 @@ Warnings:
 - W002 two nodes are different databases of one server.
 - W003 ``NODE_TIMEOUT`` is more than 5% of ``TTL``.
 - W004 a ``rediss://`` node does not verify the server certificate.
+- W005 (deploy) a node's ``maxmemory-policy`` is not ``noeviction``. Every lock key
+  carries a TTL, so the ``volatile-*`` policies can evict it as well as the
+  ``allkeys-*`` ones (``volatile-ttl`` picks the keys closest to expiry first:
+  short leases); an evicted key is a lock granted twice. Only ``noeviction``
+  keeps a granted key until its TTL. Warned even with ``maxmemory 0`` (no limit
+  now), since the limit can be set at runtime.
+- W006 (deploy) a node did not answer the deploy check in NODE_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -36,10 +50,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import redis
 from django.apps import AppConfig
-from django.core.checks import CheckMessage, Error, Warning
+from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.exceptions import ImproperlyConfigured
 
-from . import conf
+from . import conf, nodes
 
 __all__ = [
     "E001",
@@ -53,15 +69,23 @@ __all__ = [
     "E009",
     "E010",
     "E011",
+    "E012",
+    "E013",
+    "NODES_TAG",
     "TAG",
     "W001",
     "W002",
     "W003",
     "W004",
+    "W005",
+    "W006",
+    "check_nodes",
     "check_settings",
 ]
 
 TAG = "redlock"
+#: The deploy-only checks that connect to the nodes.
+NODES_TAG = "redlock_nodes"
 
 E001 = "redlock.E001"
 E002 = "redlock.E002"
@@ -74,10 +98,14 @@ E008 = "redlock.E008"
 E009 = "redlock.E009"
 E010 = "redlock.E010"
 E011 = "redlock.E011"
+E012 = "redlock.E012"
+E013 = "redlock.E013"
 W001 = "redlock.W001"
 W002 = "redlock.W002"
 W003 = "redlock.W003"
 W004 = "redlock.W004"
+W005 = "redlock.W005"
+W006 = "redlock.W006"
 
 _OBJ = "settings.REDLOCK"
 
@@ -94,4 +122,89 @@ def check_settings(
     for problem in conf.validate(conf.raw_settings()):
         level = Error if problem.level == conf.ERROR else Warning
         messages.append(level(problem.msg, hint=problem.hint, obj=_OBJ, id=problem.id))
+    return messages
+
+
+def _node(spec: conf.NodeSpec) -> str:
+    return f"REDLOCK['NODES'][{spec.index}] {spec.display}"
+
+
+@register(TAG, NODES_TAG, deploy=True)
+def check_nodes(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Ask every node its role, identity and eviction policy (``--deploy`` only).
+
+    Uses the lock's own pools (NODE_TIMEOUT, no retries), one pipelined round
+    trip per node. An invalid setting is left to ``check_settings``.
+    """
+    try:
+        config = conf.get_settings()
+    except ImproperlyConfigured:
+        return []
+    messages: list[CheckMessage] = []
+    seen: dict[tuple[str, object], conf.NodeSpec] = {}
+    pools = nodes.sync_pools(config.nodes, config.node_timeout)
+    for spec, pool in zip(config.nodes, pools, strict=True):
+        client = redis.Redis(connection_pool=pool)
+        try:
+            pipe = client.pipeline(transaction=False)
+            for section in ("server", "replication", "memory"):
+                pipe.info(section)
+            server, replication, memory = pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            messages.append(
+                Warning(
+                    f"{_node(spec)} did not answer the deploy check: "
+                    f"{nodes.describe(exc)}",
+                    hint="Check that every node is up and reachable from this "
+                    "host; a lock needs a majority of them.",
+                    obj=_OBJ,
+                    id=W006,
+                )
+            )
+            continue
+        role = str(replication.get("role", "master"))
+        if role != "master":
+            messages.append(
+                Error(
+                    f"{_node(spec)} is a replica (role {role}): it refuses the "
+                    "lock's writes, and a failover could promote it without the "
+                    "keys its master granted",
+                    hint="List independent masters only, no replicas and no "
+                    "replication between nodes.",
+                    obj=_OBJ,
+                    id=E012,
+                )
+            )
+        run_id = server.get("run_id")
+        if run_id:
+            key = (str(run_id), spec.identity[-1])
+            first = seen.setdefault(key, spec)
+            if first is not spec:
+                messages.append(
+                    Error(
+                        f"NODES[{first.index}] and NODES[{spec.index}] are the same "
+                        f"Redis server and database (run_id {str(run_id)[:8]}...) "
+                        "reached by two addresses, not independent nodes",
+                        hint="Give each node its own redis-server, ideally on "
+                        "its own host.",
+                        obj=_OBJ,
+                        id=E013,
+                    )
+                )
+        policy = str(memory.get("maxmemory_policy", "noeviction"))
+        if policy != "noeviction":
+            messages.append(
+                Warning(
+                    f"{_node(spec)} has maxmemory-policy {policy} (maxmemory "
+                    f"{memory.get('maxmemory', '?')}): under memory pressure it can "
+                    "evict lock keys, which all carry a TTL, and grant a held "
+                    "lock again",
+                    hint="Set maxmemory-policy noeviction on lock nodes (writes "
+                    "then fail when memory is full, and the lock reports it).",
+                    obj=_OBJ,
+                    id=W005,
+                )
+            )
     return messages

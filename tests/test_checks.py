@@ -1,8 +1,14 @@
-"""System checks for ``settings.REDLOCK`` (tag ``redlock``); no Redis server needed."""
+"""System checks for ``settings.REDLOCK`` (tag ``redlock``).
+
+The static checks need no Redis server; the deploy checks (``check_nodes``) run
+against the real test nodes, a real replica and a proxy.
+"""
 
 from __future__ import annotations
 
 import io
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +19,9 @@ from django.core.management.base import SystemCheckError
 
 from redlock_django import checks
 from redlock_django.apps import RedlockConfig
-from redlock_django.checks import check_settings
+from redlock_django.checks import check_nodes, check_settings
+from tests._nodes import RedisNode
+from tests._proxy import FaultProxy
 
 GOOD = {
     "NODES": [f"redis://10.0.0.{i}:6379/0" for i in range(1, 6)],
@@ -301,3 +309,129 @@ def test_manage_py_check_prints_warnings_without_failing(settings: Any) -> None:
     call_command("check", stdout=stdout, stderr=stderr)
 
     assert "redlock.W001" in stderr.getvalue() + stdout.getvalue()
+
+
+# Deploy checks: they ask the real nodes (scenario 15 of the fault matrix).
+
+
+def deploy_run(tally: Any, expected: list[str]) -> list[django_checks.CheckMessage]:
+    """Run check_nodes once, count it in the matrix, compare the ids."""
+    start = time.monotonic()
+    messages = checks.check_nodes(None)
+    took = time.monotonic() - start
+    got = [message.id or "" for message in messages]
+    tally.add(1, int(got == expected), [took])
+    assert got == expected, messages
+    return messages
+
+
+def test_deploy_check_passes_five_independent_masters(
+    redlock_settings: dict[str, Any], matrix: Any
+) -> None:
+    """The test nodes are five masters with noeviction: no message."""
+    deploy_run(matrix(15), [])
+
+
+def test_a_replica_node_is_a_deploy_error(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: Any,
+    tmp_path: Path,
+    matrix: Any,
+) -> None:
+    """A real redis-server started with --replicaof one of the nodes reports
+    role slave: E012 names it; the master itself passes."""
+    replica = RedisNode(
+        tmp_path / "replica",
+        extra_args=["--replicaof", "127.0.0.1", str(nodes[0].port)],
+    )
+    replica.start()
+    try:
+        settings.REDLOCK = {
+            **redlock_settings,
+            "NODES": [*nodes.urls[:2], replica.url],
+        }
+        [message] = deploy_run(matrix(15), [checks.E012])
+        assert isinstance(message, django_checks.Error)
+        assert message.msg.startswith(
+            f"REDLOCK['NODES'][2] redis://127.0.0.1:{replica.port}/0 is a replica "
+            "(role slave)"
+        )
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with pytest.raises(SystemCheckError, match=r"redlock\.E012"):
+            call_command("check", deploy=True, stdout=stdout, stderr=stderr)
+        # Without --deploy nothing connects to the nodes.
+        call_command("check", stdout=io.StringIO(), stderr=io.StringIO())
+    finally:
+        replica.stop()
+
+
+def test_one_server_behind_two_addresses_is_a_deploy_error(
+    settings: Any, redlock_settings: dict[str, Any], nodes: Any, matrix: Any
+) -> None:
+    """Node 0 and a TCP proxy in front of it are two addresses of one server:
+    the static check cannot tell, the deploy check sees one run_id (E013)."""
+    with FaultProxy(nodes[0].port) as proxy:
+        settings.REDLOCK = {
+            **redlock_settings,
+            "NODES": [nodes[0].url, nodes[1].url, proxy.url],
+        }
+        assert check_settings(None) == []
+        [message] = deploy_run(matrix(15), [checks.E013])
+    assert message.msg.startswith(
+        "NODES[0] and NODES[2] are the same Redis server and database (run_id "
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        ("noeviction", []),
+        ("allkeys-lru", [checks.W005]),
+        ("volatile-lru", [checks.W005]),
+        ("volatile-ttl", [checks.W005]),
+    ],
+)
+def test_an_evicting_memory_policy_is_a_deploy_warning(
+    redlock_settings: dict[str, Any],
+    nodes: Any,
+    matrix: Any,
+    policy: str,
+    expected: list[str],
+) -> None:
+    """Any maxmemory-policy but noeviction can evict lock keys (they all carry
+    a TTL, so volatile-* too): W005 names the node and the policy."""
+    with nodes[1].client() as client:
+        client.config_set("maxmemory-policy", policy)
+    try:
+        messages = deploy_run(matrix(15), expected)
+    finally:
+        with nodes[1].client() as client:
+            client.config_set("maxmemory-policy", "noeviction")
+    if expected:
+        assert messages[0].msg.startswith(
+            f"REDLOCK['NODES'][1] {nodes[1].url} has maxmemory-policy {policy}"
+        )
+
+
+def test_deploy_check_with_nodes_down_is_bounded_by_the_node_timeout(
+    settings: Any, redlock_settings: dict[str, Any], nodes: Any, matrix: Any
+) -> None:
+    """A frozen node and a killed one give W006 each, and the check takes at
+    most a connect and a read timeout per node, never redis-py's 5 s."""
+    settings.REDLOCK = {**redlock_settings, "NODE_TIMEOUT": 0.1}
+    nodes[3].kill()
+    with nodes[4].paused():
+        start = time.monotonic()
+        messages = deploy_run(matrix(15), [checks.W006, checks.W006])
+        took = time.monotonic() - start
+    assert took < 2 * 5 * 0.1 + 1.0
+    assert "did not answer the deploy check: timed out" in messages[1].msg
+
+
+def test_deploy_check_registered_for_deploy_only() -> None:
+    """check_nodes is a deployment check under the redlock tags."""
+    registry = django_checks.registry.registry
+    assert check_nodes in registry.get_checks(include_deployment_checks=True)
+    assert check_nodes not in registry.get_checks()
+    assert checks.NODES_TAG in registry.tags_available(deployment_checks=True)
