@@ -36,6 +36,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
+from django.views.debug import SafeExceptionReporterFilter
 from redis.connection import (
     AbstractConnection,
     Connection,
@@ -53,6 +54,7 @@ __all__ = [
     "NodeSpec",
     "Problem",
     "RedlockSettings",
+    "SafeSettingsReporterFilter",
     "connection_params",
     "get_settings",
     "parse_node",
@@ -108,6 +110,9 @@ _POOL_STATE = frozenset(
     }
 )
 _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,15}")
+# The userinfo of a URL, and query parameters whose name says "pass".
+_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]*@")
+_QUERY_PASSWORD = re.compile(r"(?i)([?&][^=&#\s]*pass[^=&#\s]*=)[^&#\s]*")
 
 _HINTS = {
     "redlock.E001": "REDLOCK must be a dict with these keys (all optional but NODES): "
@@ -226,6 +231,29 @@ class _Target:
         if self.scheme == "unix":
             return ("unix", self.path, self.db)
         return ("tcp", _canonical_host(self.host), self.port, self.db)
+
+
+# --- error reports ----------------------------------------------------------------
+
+
+class SafeSettingsReporterFilter(SafeExceptionReporterFilter):
+    """Django's error-report filter, also masking passwords in URL settings.
+
+    Django hides settings whose *name* looks secret (``PASSWORD``, ``SECRET_KEY``),
+    but shows ``REDLOCK = {"NODES": ["redis://:pw@host/0"]}`` (or a cache
+    ``LOCATION``) as written, on the DEBUG page and in the error e-mails. Set
+    ``DEFAULT_EXCEPTION_REPORTER_FILTER =
+    "redlock_django.conf.SafeSettingsReporterFilter"`` to replace the userinfo of
+    every URL, and query parameters named like a password, with stars.
+    """
+
+    def cleanse_setting(self, key: Any, value: Any) -> Any:
+        cleansed = super().cleanse_setting(key, value)
+        if isinstance(cleansed, str) and "://" in cleansed:
+            stars = self.cleansed_substitute
+            cleansed = _URL_USERINFO.sub(rf"\g<1>{stars}@", cleansed)
+            cleansed = _QUERY_PASSWORD.sub(rf"\g<1>{stars}", cleansed)
+        return cleansed
 
 
 # --- reading settings -------------------------------------------------------------

@@ -8,6 +8,8 @@ password on the default user, and the session's five plain nodes.
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from redlock_django import QuorumUnavailableError, Redlock
+from redlock_django import QuorumUnavailableError, Redlock, inspect
 from redlock_django import conf as redlock_conf
 from redlock_django import nodes as node_pools
 from tests._nodes import NodeSet, RedisNodeError
@@ -398,8 +400,6 @@ def test_documented_ops_user_can_inspect_and_force_release(
     settings: Any, acl_nodes: list[redis.Redis]
 ) -> None:
     """The ops user sees node health and held locks, and can force-release."""
-    from redlock_django import inspect
-
     settings.REDLOCK = lock_settings(acl_urls(acl_nodes, f"redlock-app:{APP_PASSWORD}"))
     lock = Redlock("acl:stuck")
     assert lock.acquire()
@@ -523,3 +523,148 @@ def test_user_without_hget_gets_a_noperm_error_not_contention(
     )
     for reason in error.failed.values():
         assert "no permissions" in reason or "can't run this command" in reason
+
+
+# --- credentials never shown ----------------------------------------------------------
+
+SECRET = "n0de-pa55-never-shown"
+
+
+@pytest.fixture
+def secured(make_nodes: Callable[..., NodeSet]) -> list[str]:
+    """Three servers behind ``requirepass``; return URLs, the last one's wrong."""
+    node_set = make_nodes(3)
+    for node in node_set:
+        with node.client() as client:
+            client.config_set("requirepass", SECRET)
+    urls = [f"redis://default:{SECRET}@127.0.0.1:{n.port}/0" for n in node_set]
+    urls[0] = f"redis://:{SECRET}@127.0.0.1:{node_set[0].port}/0?password={SECRET}"
+    urls[2] = f"redis://:wrong-{SECRET}@127.0.0.1:{node_set[2].port}/0"
+    return urls
+
+
+def test_reprs_never_show_credentials(settings: Any, secured: list[str]) -> None:
+    """Locks, settings, node specs, pools, clients and exceptions, once used."""
+    settings.REDLOCK = lock_settings(secured)
+    lock = Redlock("repr", nodes=secured)
+    with lock:
+        conf = redlock_conf.get_settings()
+        pools = node_pools.sync_pools(conf.nodes, NODE_TIMEOUT)
+        texts = [repr(lock), str(lock), repr(conf), *map(repr, conf.nodes)]
+        texts += [repr(pool) for pool in pools]
+        texts += [repr(c) for p in pools for c in p._available_connections]
+
+        async def from_asyncio() -> list[str]:
+            async with Redlock("repr-async"):
+                clients = node_pools.async_clients(conf.nodes, NODE_TIMEOUT)
+                return [repr(c) + repr(c.connection_pool) for c in clients]
+
+        texts += asyncio.run(from_asyncio())
+    settings.REDLOCK = lock_settings(secured[2:], NODE_TIMEOUT=FAIL_TIMEOUT)
+    error, _ = refused(lambda: Redlock("repr").acquire())
+    texts += [repr(error), str(error), repr(error.failed), repr(error.__dict__)]
+    assert any("127.0.0.1" in text for text in texts)  # the texts are not empty
+    for text in texts:
+        assert SECRET not in text, text
+
+
+def test_debug_logs_of_a_lock_cycle_and_a_failed_one_have_no_credentials(
+    settings: Any, secured: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every logger at DEBUG, redis-py's included, through success and failure."""
+    settings.REDLOCK = lock_settings(secured, NODE_TIMEOUT=FAIL_TIMEOUT)
+    with caplog.at_level(logging.DEBUG):
+        with Redlock("logged", auto_extend=True, ttl=1.0) as lock:
+            assert lock.extend()
+            time.sleep(0.6)  # one watchdog extension
+        held = Redlock("listed")
+        assert held.acquire()
+        inspect.held_locks()  # logs the node it skipped
+        held.release()
+        settings.REDLOCK = lock_settings(secured[1:], NODE_TIMEOUT=FAIL_TIMEOUT)
+        refused(lambda: Redlock("logged").acquire())
+    assert any("127.0.0.1" in record.getMessage() for record in caplog.records)
+    for record in caplog.records:
+        text = record.getMessage() + (record.exc_text or "")
+        assert SECRET not in text, text
+
+
+def failing_view(request: Any) -> Any:
+    """Take a lock on nodes that all refuse the password: the error escapes."""
+    with Redlock("reported"):
+        raise AssertionError("never reached")
+
+
+urlpatterns = [__import__("django.urls").urls.path("fail/", failing_view)]
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_error_report_of_a_failed_lock_masks_node_passwords(
+    settings: Any, secured: list[str], debug: bool
+) -> None:
+    """The DEBUG page and the e-mailed report (DEBUG off) show no node password.
+
+    Needs ``DEFAULT_EXCEPTION_REPORTER_FILTER =
+    "redlock_django.conf.SafeSettingsReporterFilter"``: Django's own filter hides
+    settings by name only, and prints ``REDLOCK["NODES"]`` as written (the
+    negative control below).
+    """
+    from django.test import Client, RequestFactory
+
+    settings.ROOT_URLCONF = __name__
+    settings.DEBUG = debug
+    settings.REDLOCK = lock_settings(
+        [url.replace(SECRET, "wrong-" + SECRET) for url in secured[:2]] + [secured[2]],
+        NODE_TIMEOUT=FAIL_TIMEOUT,
+    )
+    settings.CACHES = {
+        **settings.CACHES,
+        "pw": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": f"redis://:{SECRET}@127.0.0.1:1/0",
+        },
+    }
+    use_reporter_filter(settings, "redlock_django.conf.SafeSettingsReporterFilter")
+    response = Client(raise_request_exception=False).get("/fail/")
+    assert response.status_code == 500
+    # Built away from this function, whose locals hold the test's own URLs.
+    error = report_of(RequestFactory().get("/fail/"))
+    reports = [error.get_traceback_text(), error.get_traceback_html()]
+    if debug:
+        page = response.content.decode()
+        assert "QuorumUnavailableError" in page and "REDLOCK" in page
+        reports.append(page)
+    for report in reports:
+        assert "127.0.0.1" in report and "REDLOCK" in report
+        assert SECRET not in report
+
+    # Negative control: Django's own filter prints the URLs as written.
+    use_reporter_filter(settings, "django.views.debug.SafeExceptionReporterFilter")
+    assert SECRET in report_of(RequestFactory().get("/fail/")).get_traceback_text()
+
+
+def use_reporter_filter(settings: Any, path: str) -> None:
+    """Set DEFAULT_EXCEPTION_REPORTER_FILTER; Django caches the filter it made."""
+    from django.views.debug import get_default_exception_reporter_filter
+
+    settings.DEFAULT_EXCEPTION_REPORTER_FILTER = path
+    get_default_exception_reporter_filter.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_reporter_filter() -> Iterator[None]:
+    from django.views.debug import get_default_exception_reporter_filter
+
+    yield
+    get_default_exception_reporter_filter.cache_clear()
+
+
+def report_of(request: Any) -> Any:
+    """Return Django's ExceptionReporter for ``failing_view`` failing on ``request``."""
+    from django.views.debug import ExceptionReporter
+
+    try:
+        failing_view(request)
+    except QuorumUnavailableError:
+        return ExceptionReporter(request, *sys.exc_info())
+    raise AssertionError("the view did not fail")
