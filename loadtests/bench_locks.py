@@ -354,7 +354,14 @@ def _locker(kind: str, ports: Sequence[int], urls: Sequence[str], key: str) -> A
     if kind == "redlock_django":
         from redlock_django import Redlock
 
+        from redlock_django import signals
+
         lock = Redlock(key, nodes=list(urls))
+
+        def count(**kwargs: Any) -> None:
+            ATTEMPTS.append(kwargs["attempts"])
+
+        signals.lock_acquired.connect(count, weak=False)
 
         def acquire() -> bool:
             return lock.acquire(timeout=10.0)
@@ -398,6 +405,10 @@ def _locker(kind: str, ports: Sequence[int], urls: Sequence[str], key: str) -> A
     raise ValueError(kind)
 
 
+#: Per contended process: attempts of each redlock_django acquisition.
+ATTEMPTS: list[int] = []
+
+
 def _contender(
     kind: str,
     ports: Sequence[int],
@@ -427,7 +438,14 @@ def _contender(
             done = time.monotonic()
             release()
             events.append((got, done))
-        out.send({"ident": ident, "events": events, "failures": failures})
+        out.send(
+            {
+                "ident": ident,
+                "events": events,
+                "failures": failures,
+                "attempts": list(ATTEMPTS),
+            }
+        )
     except BaseException as exc:  # report, never hang the parent
         out.send({"ident": ident, "error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -446,6 +464,8 @@ class Contended:
     shares: list[int] = field(default_factory=list)
     counter: int = -1
     failures: int = 0
+    #: Tries on the nodes per acquisition (redlock_django only; else empty).
+    attempts: list[int] = field(default_factory=list, repr=False)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -508,6 +528,7 @@ def run_contended(
             result.errors.append(report["error"])
             continue
         result.failures += report["failures"]
+        result.attempts.extend(report.get("attempts", ()))
         result.shares[report["ident"]] = len(report["events"])
         events.extend((got, done, report["ident"]) for got, done in report["events"])
     events.sort()
@@ -781,7 +802,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{result.gap_ms:.2f} ms owner change "
                         f"{result.owner_change:.0%} "
                         f"shares {result.shares} counter "
-                        f"{'exact' if result.correct else 'WRONG'}",
+                        f"{'exact' if result.correct else 'WRONG'}"
+                        + (
+                            f" attempts/acq {statistics.mean(result.attempts):.2f}"
+                            if result.attempts
+                            else ""
+                        ),
                         flush=True,
                     )
             print(f"\nran in {time.monotonic() - began:.0f}s\n")
