@@ -668,3 +668,178 @@ def report_of(request: Any) -> Any:
     except QuorumUnavailableError:
         return ExceptionReporter(request, *sys.exc_info())
     raise AssertionError("the view did not fail")
+
+
+# --- tokens ------------------------------------------------------------------------
+
+
+def test_tokens_come_from_secrets_with_at_least_128_bits(
+    redlock_settings: dict[str, Any], nodes: NodeSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each acquisition asks ``secrets`` for >= 16 bytes; that is the stored token."""
+    import base64
+    import secrets
+
+    import redlock_django.lock
+
+    asked: list[tuple[int, str]] = []
+    original = secrets.token_urlsafe
+
+    def token_urlsafe(nbytes: int) -> str:
+        token = original(nbytes)
+        asked.append((nbytes, token))
+        return token
+
+    monkeypatch.setattr(redlock_django.lock.secrets, "token_urlsafe", token_urlsafe)
+    stored = set()
+    for round_ in range(50):
+        with Redlock("tokens"):
+            stored.add(nodes[round_ % 5].client().hget(KEY.format("tokens"), "token"))
+    assert len(asked) == 50
+    assert {token.encode() for _, token in asked} == stored  # 50 distinct, all used
+    for nbytes, token in asked:
+        assert nbytes >= 16
+        assert len(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))) >= 16
+
+
+@pytest.mark.django_db
+def test_full_token_never_shown_by_admin_command_or_inspect(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    admin_client: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only the 12-digit digest is shown; the token itself appears on no surface."""
+    import io
+
+    from django.core.management import call_command
+
+    with caplog.at_level(logging.DEBUG), Redlock("shown", label="x") as lock:
+        token = nodes[0].client().hget(KEY.format("shown"), "token")
+        assert token is not None and lock.owned()
+        digest = inspect.token_digest(token)
+        surfaces = [
+            admin_client.get("/admin/redlock_django/heldlock/").content.decode(),
+            repr(inspect.describe(["shown"])),
+            repr(inspect.held_locks()),
+        ]
+        for args in (["list"], ["list", "--json"], ["status"]):
+            out, err = io.StringIO(), io.StringIO()
+            call_command("redlock", *args, stdout=out, stderr=err)
+            surfaces += [out.getvalue(), err.getvalue()]
+    surfaces.append(caplog.text)
+    assert digest in surfaces[0] and digest in surfaces[1]
+    for text in surfaces:
+        assert token.decode() not in text
+        # Nor any 16-character piece of it (a prefix, say).
+        assert all(
+            token.decode()[i : i + 16] not in text for i in range(len(token) - 15)
+        )
+
+
+# --- admin force release: only keys under the prefix ----------------------------------
+
+
+def plant_token(node_set: NodeSet, key: str, token: bytes) -> None:
+    for node in node_set:
+        with node.client() as client:
+            client.hset(key, mapping={"token": token, "meta": "{}"})
+            client.pexpire(key, 60_000)
+
+
+@pytest.mark.django_db
+def test_force_release_only_reaches_keys_under_the_configured_prefix(
+    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet, admin_client: Any
+) -> None:
+    """Same token under other prefixes, bare, or as a glob match: left alone."""
+    settings.REDLOCK = {**redlock_settings, "KEY_PREFIX": "app1"}
+    token = b"shared-token"
+    digest = inspect.token_digest(token)
+    others = ["app2:lock:x", "redlock:lock:x", "x", "app1:lock:xy", "app1:fence:x"]
+    for key in ["app1:lock:x", *others]:
+        plant_token(nodes, key, token)
+    url = "/admin/redlock_django/heldlock/release/"
+    for resource in ["*", "x*", "?", "[x]", "../x", "x\n"]:
+        admin_client.post(
+            url, {"resource": resource, "token_digest": digest, "confirm": "yes"}
+        )
+    for key in ["app1:lock:x", *others]:
+        assert all(n.client().exists(key) for n in nodes), key
+    response = admin_client.post(
+        url, {"resource": "x", "token_digest": digest, "confirm": "yes"}
+    )
+    assert response.status_code == 302
+    assert not any(n.client().exists("app1:lock:x") for n in nodes)
+    for key in others:
+        assert all(n.client().exists(key) for n in nodes), key
+
+
+# --- resource names ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("resource", "message"),
+    [
+        ("a" * 201, "201 characters long; the limit is 200"),
+        ("job\n42", "contains control characters"),
+        ("job\r\n", "contains control characters"),
+        ("\x00", "contains control characters"),
+        ("esc\x1b[31m", "contains control characters"),
+        ("del\x7f", "contains control characters"),
+        ("", "must be a non-empty string"),
+    ],
+)
+def test_bad_resource_names_are_refused_before_any_key_is_built(
+    redlock_settings: dict[str, Any], resource: str, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        Redlock(resource)
+    with pytest.raises(ValueError, match=message):
+        inspect.force_release(resource, "a" * 12)
+
+
+def test_longest_allowed_resource_name_locks() -> None:
+    """200 characters is the cap itself: accepted (the boundary of the test above)."""
+    from redlock_django.lock import check_resource
+
+    assert check_resource("é" * 200) == "é" * 200
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="check_resource rejects only ASCII controls (< 32, 127); C1 controls, "
+    "line/paragraph separators and bidi overrides pass (lock.py is the lead's)",
+)
+@pytest.mark.parametrize("resource", ["a\x85b", "a\u2028b", "a\u202eb", "a\u200bb"])
+def test_unicode_control_and_format_characters_are_refused(resource: str) -> None:
+    from redlock_django.lock import check_resource
+
+    with pytest.raises(ValueError):
+        check_resource(resource)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="names over 200 characters are refused; the issue asks for a hashed "
+    "tail instead (lock.py is the lead's)",
+)
+def test_long_resource_names_are_kept_short_by_hashing_the_tail(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    resource = "report:" + "x" * 500
+    with Redlock(resource):
+        [key] = nodes[0].client().keys("redlock:lock:*")
+        assert len(key) < 300
+
+
+@pytest.mark.parametrize("search", ["*", "a?c", "[ab]", "\\", "a\\*"])
+def test_search_terms_match_literally_in_scan_patterns(
+    redlock_settings: dict[str, Any],
+    hold: Callable[..., Redlock],
+    search: str,
+) -> None:
+    """Glob characters in a search match themselves only, never other names."""
+    hold("abc")
+    hold("aXc")
+    hold(f"has{search}inside")
+    assert inspect.lock_resources(search) == [f"has{search}inside"]
