@@ -2,8 +2,9 @@
 
 Sets up what ``make demo`` sets up (its code is reused by import): five Redis
 nodes started here (this tool kills them, so ``REDLOCK_NODES`` is ignored), a
-fresh database, one product on sale, three gunicorn app servers with three sync
-workers each. Then one headless Locust run on the locked ``buy/`` endpoint, new
+fresh database, one product on sale (1000 units), three gunicorn app servers with
+three sync workers each, plus one more that only serves the audit the timeline
+samples. Then one headless Locust run on the locked ``buy/`` endpoint, new
 customers buying and customers double-clicking (two POSTs at once, to two app
 servers), while a schedule injects real faults, each logged with its monotonic
 time since Locust started:
@@ -24,10 +25,11 @@ two orders. Refusals a sale expects (409, 423 and 503 with a JSON reason) and
 the connection errors of requests in flight on the killed worker are counted,
 not failed; any other 5xx fails the run.
 
-Negative controls: ``--unsafe`` runs the same chaos on ``buy-unsafe/`` (no lock),
-which oversells, so the checker must fail it; ``--restart-immediately`` breaks
-the delayed-restart rule (the killed node comes back empty at once) and reports
-what the checker saw.
+Controls: ``--unsafe`` runs the same chaos on ``buy-unsafe/`` (no lock); it
+oversells, and the checker must fail it. ``--restart-immediately`` breaks the
+delayed-restart rule on another schedule: two nodes killed, then a third, and all
+three back empty at once, twice; holders overlap, and the count of ``409
+stale_lock`` answers shows the fenced write refusing the second holder.
 
 Exit code 0 when every invariant holds, 1 on any violation (or when the run
 could not be set up), 130 when interrupted. Everything started is stopped on
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -351,9 +354,54 @@ class Chaos(Demo):
             f"(master {process.pid}, {len(workers)} workers){replaced}"
         )
 
+    def kill_two(self, pair: tuple[int, int]) -> str:
+        labels = [self.node_label(index) for index in pair]
+        for index in pair:
+            self.nodes[index].kill()
+        return f"SIGKILL {' and '.join(labels)}: every lock rests on the 3 others"
+
+    def flap(self, killed: int, pair: tuple[int, int], since: float) -> str:
+        node = self.nodes[killed]
+        old_pid = node.pid
+        began = time.monotonic()
+        node.kill()
+        for index in (killed, *pair):
+            self.nodes[index].start()
+        took = (time.monotonic() - began) * 1000
+        return (
+            f"SIGKILL redis node {killed} (pid {old_pid}), then restarted it and "
+            f"nodes {pair[0]} and {pair[1]} (down {self.now() - since:.2f} s) empty "
+            f"at once, within {took:.0f} ms: delayed-restart rule BROKEN"
+        )
+
+    def rule_breaking_schedule(self) -> list[Step]:
+        """Return the ``--restart-immediately`` faults: a majority forgets, twice.
+
+        Two nodes are killed, so each lock is then granted by exactly the three
+        others; one of those three is killed too and all three come back empty at
+        once: a buyer can win the lock on them while its holder still runs.
+        """
+        args = self.args
+        duration = float(args.duration)
+        killed = args.kill_node
+        spare = next(
+            i for i in range(len(self.nodes)) if i not in (killed, args.pause_node)
+        )
+        pair = (args.pause_node, spare)
+        steps = []
+        for at in (0.10 * duration, 0.40 * duration):
+            steps += [
+                Step(at, "kill-two", functools.partial(self.kill_two, pair)),
+                Step(at + 2.0, "flap", functools.partial(self.flap, killed, pair, at)),
+            ]
+        steps.append(Step(0.75 * duration, "kill-worker", lambda: self.kill_worker(-1)))
+        return steps
+
     def schedule(self) -> list[Step]:
         """Return the faults of one run, times scaled to ``--duration``."""
         args = self.args
+        if args.restart_immediately:
+            return self.rule_breaking_schedule()
         duration = float(args.duration)
         paused, killed = args.pause_node, args.kill_node
         pause_at, resume_at = 0.10 * duration, 0.40 * duration
@@ -388,6 +436,8 @@ class Chaos(Demo):
     def run_locust_under_chaos(self, product_id: int) -> dict[str, Any]:
         args = self.args
         mode = "chaos-unsafe" if args.unsafe else "chaos"
+        if args.restart_immediately:
+            mode += "-restart-immediately"
         html = self.reports / f"{mode}.html"
         summary_path = self.workdir / f"locust-{mode}.json"
         log = self.workdir / f"locust-{mode}.log"
@@ -441,7 +491,7 @@ class Chaos(Demo):
             self.sampler.stop.set()
             # Whatever the run did not get to, undo it: nodes resumed and running.
             for step in steps:
-                if not step.done and step.name in ("resume", "restart"):
+                if not step.done and step.name in ("resume", "restart", "flap"):
                     self.run_step(step)
         self.run_seconds = self.now()
         self.progress.done(
@@ -480,18 +530,19 @@ class Chaos(Demo):
 
     def phases(self) -> list[dict[str, Any]]:
         """Return the orders made between consecutive faults, until sold out."""
-        samples = self.sampler.samples if self.sampler else []
-        if not samples:
+        sampler = self.sampler
+        if sampler is None or not sampler.samples:
             return []
-        sold_out = next((s.at for s in samples if s.stock <= 0), None)
+        sold_out = next((s.at for s in sampler.samples if s.stock <= 0), None)
         end = min(self.run_seconds, sold_out or self.run_seconds)
         bounds = [("start", 0.0), *((f.action, f.at) for f in self.faults)]
         phases = []
         stops = [*bounds[1:], ("end", end)]
         for (name, start), (_, stop) in zip(bounds, stops, strict=True):
             stop = min(stop, end)
-            first = self.sampler.orders_at(start) if self.sampler else None
-            last = self.sampler.orders_at(stop) if self.sampler else None
+            # The sale was seeded just before Locust started: no orders at 0 s.
+            first = sampler.orders_at(start) if start > 0 else 0
+            last = sampler.orders_at(stop)
             if stop - start < 0.5 or first is None or last is None:
                 continue
             phases.append(
@@ -553,14 +604,6 @@ class Chaos(Demo):
             server_errors=errors,
             verify_exit_code=verify_code,
         )
-        if args.restart_immediately:
-            checks.append(
-                Check(
-                    "delayed-restart rule",
-                    False,
-                    "broken on purpose (--restart-immediately)",
-                )
-            )
         report = {
             "mode": "unsafe" if args.unsafe else "locked",
             "restart_immediately": args.restart_immediately,
@@ -597,7 +640,7 @@ class Chaos(Demo):
             (round(s.at, 1) for s in samples if s.stock <= 0), None
         )
         report["total_s"] = round(time.monotonic() - began, 1)
-        path = self.reports / ("chaos-unsafe.json" if args.unsafe else "chaos.json")
+        path = Path(report["html"]).with_suffix(".json")
         path.write_text(json.dumps(report, sort_keys=True, indent=1) + "\n")
         if args.summary_json:
             Path(args.summary_json).write_text(json.dumps(report, sort_keys=True))
@@ -651,6 +694,13 @@ def format_report(report: dict[str, Any]) -> str:
     for check in report["checks"]:
         mark = "ok  " if check["ok"] else "FAIL"
         lines.append(f"    {mark} {check['name']}: {check['detail']}")
+    if report["restart_immediately"]:
+        stale = outcomes.get("409 stale_lock", 0)
+        lines.append(
+            "  note: the delayed-restart rule was broken on purpose "
+            f"(--restart-immediately); {stale} purchases were refused as "
+            "409 stale_lock: a second holder's fenced write lost to a newer token"
+        )
     if report["ok"]:
         lines.append("  RESULT: OK, every invariant held under the faults")
     else:
@@ -719,12 +769,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append("--ttl must be in (0, 60] seconds")
     if args.users < 1 or args.stock < 1 or args.servers < 1 or args.workers < 1:
         problems.append("--users, --stock, --servers and --workers must be >= 1")
-    restart_at = 0.2 * args.duration + restart_delay(args.ttl)
-    if not args.restart_immediately and restart_at > 0.9 * args.duration:
+    # The last node restart must come well before the end of the run.
+    last, end = (0.4, 0.7) if args.restart_immediately else (0.2, 0.9)
+    delay = 2.0 if args.restart_immediately else restart_delay(args.ttl)
+    restart_at = last * args.duration + delay
+    if restart_at > end * args.duration:
         problems.append(
-            f"--duration {args.duration} is too short for the delayed-restart rule: "
-            f"the node would come back at {restart_at:.1f} s; use at least "
-            f"{restart_delay(args.ttl) / 0.7:.0f} s or a smaller --ttl"
+            f"--duration {args.duration} is too short for --ttl {args.ttl:g}: the "
+            f"node would come back at {restart_at:.1f} s; use at least "
+            f"{delay / (end - last) + 1:.0f} s or a smaller --ttl"
         )
     if problems:
         parser.error("; ".join(problems))
