@@ -330,6 +330,14 @@ def render(data: dict[str, Any]) -> str:
             f"| {scenario} | {TITLES[scenario]} | — | — | — | — | — | — | — | — "
             "| not in this run |"
         )
+    notes = [
+        f"- {row['scenario']}{' (negative control)' if row['negative_control'] else ''}"
+        f": {note}"
+        for row in data["rows"]
+        for note in row["notes"]
+    ]
+    if notes:
+        lines += ["", "Notes recorded by the tests:", "", *notes]
     return "\n".join(lines)
 
 
