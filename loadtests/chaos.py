@@ -71,6 +71,14 @@ EXPECTED_STATUSES = ("201", "409", "423", "503")
 # on a loaded 2-core machine, and the time a grant's reply takes to arrive.
 RESTART_MARGIN = 1.0
 DEFAULT_TTL = 5.0
+# Lines of the app servers' logs worth counting in the report.
+APP_LOG_MARKERS = {
+    "Traceback": "tracebacks",
+    "lost while": "lock lost while held",
+    "expired while held": "customer lock expired while held",
+    "did not answer and expire": "release missed nodes",
+    "was sent SIGKILL": "workers killed",
+}
 DRIFT_FACTOR = 0.01  # the library's default REDLOCK["DRIFT_FACTOR"]
 
 
@@ -528,6 +536,16 @@ class Chaos(Demo):
         audit: dict[str, Any] = json.loads(lines[-1])
         return result.returncode, audit
 
+    def app_log_counts(self) -> dict[str, int]:
+        """Count the notable lines the app servers logged (tracebacks, lost locks)."""
+        counts = dict.fromkeys(APP_LOG_MARKERS.values(), 0)
+        for path in sorted(self.workdir.glob("app-*.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                for marker, name in APP_LOG_MARKERS.items():
+                    if marker in line:
+                        counts[name] += 1
+        return counts
+
     def phases(self) -> list[dict[str, Any]]:
         """Return the orders made between consecutive faults, until sold out."""
         sampler = self.sampler
@@ -634,6 +652,7 @@ class Chaos(Demo):
             "ok": all(check.ok for check in checks),
             "html": str(summary.get("html")),
         }
+        report["app_log"] = self.app_log_counts()
         report["phases"] = self.phases()
         samples = self.sampler.samples if self.sampler else []
         report["sold_out_at_s"] = next(
@@ -680,6 +699,8 @@ def format_report(report: dict[str, Any]) -> str:
             if report.get("sold_out_at_s") is not None
             else "no (more --users or --duration, or less --stock, to sell out)"
         ),
+        "  app server logs: "
+        + ", ".join(f"{k} {v}" for k, v in report.get("app_log", {}).items()),
         "  faults (seconds since Locust started, monotonic):",
     ]
     lines += [f"    {Fault(**fault).line()}" for fault in report["faults"]]
