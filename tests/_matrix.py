@@ -307,23 +307,29 @@ def render(data: dict[str, Any]) -> str:
     """Return the markdown table of a results file."""
     lines = [
         "| # | Fault | Tried | Succeeded | Windows | Overlaps | Lost updates "
-        "| Acquire p50 | Acquire p99 | PTTL scans (keys w/o TTL) | Tests |",
+        "| Latency p50 | Latency p99 | PTTL scans (keys w/o TTL) | Tests |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     seen = set()
     for row in data["rows"]:
         seen.add(row["scenario"])
         title = row["title"]
-        overlaps_cell = str(row["overlaps"])
+        overlaps_cell = str(row["overlaps"]) if row["windows"] else "— (no windows)"
+        lost_cell = _cell(row["lost_updates"])
         if row["negative_control"]:
             title += " — **negative control**"
-            overlaps_cell = f"**{row['overlaps']}** (expected > 0)"
+            # The control shows harm where this row measures it.
+            if row["windows"]:
+                overlaps_cell = f"**{row['overlaps']}** (expected > 0)"
+            if row["lost_updates"] is not None:
+                lost_cell = f"**{row['lost_updates']}** (expected > 0)"
         tests = "<br>".join(f"`{t}`" for t in row["tests"])
+        scans = f"{row['scans']} ({row['keys_without_ttl']})" if row["scans"] else "—"
         lines.append(
             f"| {row['scenario']} | {title} | {row['tried']} | {row['succeeded']} "
-            f"| {row['windows']} | {overlaps_cell} | {_cell(row['lost_updates'])} "
+            f"| {row['windows']} | {overlaps_cell} | {lost_cell} "
             f"| {_cell(row['p50_ms'], ' ms')} | {_cell(row['p99_ms'], ' ms')} "
-            f"| {row['scans']} ({row['keys_without_ttl']}) | {tests} |"
+            f"| {scans} | {tests} |"
         )
     for scenario in sorted(set(TITLES) - seen):
         lines.append(
