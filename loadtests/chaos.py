@@ -48,6 +48,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -255,6 +258,65 @@ class Sampler:
         return before[-1].orders if before else None
 
 
+@dataclass
+class Probe:
+    at: float
+    status: int
+    answer: str
+
+
+@dataclass
+class Prober:
+    """Buy once a second as a fresh customer and keep the answers, 503 reasons too.
+
+    Locust counts answers by status and error name only; these probes keep the
+    ``detail`` text, which says why a purchase was refused during a fault.
+    """
+
+    hosts: list[str]
+    product_id: int
+    started: float
+    probes: list[Probe] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        number = 0
+        while not self.stop.is_set():
+            host = self.hosts[number % len(self.hosts)]
+            number += 1
+            url = f"{host}/shop/products/{self.product_id}/buy/"
+            body = json.dumps({"customer": f"probe-{number}", "quantity": 1})
+            request = urllib.request.Request(
+                url,
+                data=body.encode(),
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=15.0) as reply:
+                    status, text = reply.status, reply.read().decode()
+            except urllib.error.HTTPError as exc:
+                status, text = exc.code, exc.read().decode(errors="replace")
+            except OSError as exc:
+                status, text = 0, f"connection error: {exc}"
+            at = time.monotonic() - self.started
+            self.probes.append(Probe(round(at, 2), status, _answer(status, text)))
+            self.stop.wait(1.0)
+
+
+def _answer(status: int, text: str) -> str:
+    """Return the error and detail of a refusal, or "order" for a 201."""
+    if status == 201:
+        return "order"
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()[:160]
+    if not isinstance(body, dict):
+        return text.strip()[:160]
+    return f"{body.get('error')}: {body.get('detail')}"[:200]
+
+
 # -- the run ----------------------------------------------------------------------
 
 
@@ -267,6 +329,7 @@ class Chaos(Demo):
         self.faults: list[Fault] = []
         self.started = 0.0
         self.sampler: Sampler | None = None
+        self.prober: Prober | None = None
         self.monitor: tuple[str, subprocess.Popen[bytes], Path] | None = None
         self.killed_at: float | None = None
         self.run_seconds = 0.0
@@ -475,6 +538,8 @@ class Chaos(Demo):
         self.sampler = Sampler(audit_url, self.started)
         sampler = threading.Thread(target=self.sampler.run, daemon=True)
         sampler.start()
+        self.prober = Prober(self.hosts, product_id, self.started)
+        threading.Thread(target=self.prober.run, daemon=True).start()
         try:
             while process.poll() is None:
                 for step in steps:
@@ -497,6 +562,7 @@ class Chaos(Demo):
             if process.poll() is None:
                 self.children.stop(process)
             self.sampler.stop.set()
+            self.prober.stop.set()
             # Whatever the run did not get to, undo it: nodes resumed and running.
             for step in steps:
                 if not step.done and step.name in ("resume", "restart", "flap"):
@@ -563,6 +629,14 @@ class Chaos(Demo):
             last = sampler.orders_at(stop)
             if stop - start < 0.5 or first is None or last is None:
                 continue
+            probes = [
+                p
+                for p in (self.prober.probes if self.prober else [])
+                if start <= p.at < stop
+            ]
+            answers = Counter(
+                "order" if p.status == 201 else f"{p.status} {p.answer}" for p in probes
+            )
             phases.append(
                 {
                     "after": name,
@@ -570,6 +644,7 @@ class Chaos(Demo):
                     "to_s": round(stop, 1),
                     "orders": last - first,
                     "orders_per_s": round((last - first) / (stop - start), 1),
+                    "probes": dict(answers.most_common()),
                 }
             )
         return phases
@@ -645,6 +720,7 @@ class Chaos(Demo):
             "audit": audit,
             "verify_sale_exit_code": verify_code,
             "faults": [asdict(fault) for fault in self.faults],
+            "probes": [asdict(p) for p in (self.prober.probes if self.prober else [])],
             "timeline": [
                 asdict(s) for s in (self.sampler.samples if self.sampler else [])
             ],
@@ -711,6 +787,10 @@ def format_report(report: dict[str, Any]) -> str:
             f"{p['orders']:>5} orders, {p['orders_per_s']:6.1f}/s"
             for p in report["phases"]
         ]
+        lines.append("  probe purchases (one a second, by phase; refusal reasons):")
+        for p in report["phases"]:
+            answers = "; ".join(f"{k} x{v}" for k, v in p["probes"].items())
+            lines.append(f"    after {p['after']:<12} {answers or '(none)'}")
     lines.append("  invariants:")
     for check in report["checks"]:
         mark = "ok  " if check["ok"] else "FAIL"
