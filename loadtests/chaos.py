@@ -669,9 +669,11 @@ class Chaos(Demo):
         )
         self.start_servers(product_id)
         ports = ", ".join(host.rsplit(":", 1)[1] for host in self.hosts)
+        monitor = self.monitor[0].rsplit(":", 1)[1] if self.monitor else "-"
         print(
             f"[3/5] {len(self.hosts)} app servers (gunicorn, {args.workers} sync "
-            f"workers each) on ports {ports}; lock TTL {args.ttl:g} s",
+            f"workers each) on ports {ports}, and one for the audit only on "
+            f"{monitor}; lock TTL {args.ttl:g} s",
             flush=True,
         )
         endpoint = (
