@@ -352,9 +352,7 @@ def run_uncontended(
 def _locker(kind: str, ports: Sequence[int], urls: Sequence[str], key: str) -> Any:
     """Return (acquire, release) for one contended process; acquire blocks."""
     if kind == "redlock_django":
-        from redlock_django import Redlock
-
-        from redlock_django import signals
+        from redlock_django import Redlock, signals
 
         lock = Redlock(key, nodes=list(urls))
 
@@ -562,6 +560,155 @@ def contended_plan() -> list[tuple[str, str, int]]:
     return plan
 
 
+# --- a slow node, and memory ---------------------------------------------------------
+
+SLOW_DELAY = 0.2
+
+
+@dataclass
+class SlowNode:
+    """Acquire latency with one of five nodes behind a proxy that delays replies."""
+
+    node_timeout: float
+    delay: float
+    latencies: list[float] = field(default_factory=list, repr=False)
+    acquired: int = 0
+
+    def pct(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def run_slow_node(ports: Sequence[int], urls: Sequence[str], samples: int) -> SlowNode:
+    """Acquire + release ``samples`` fresh locks while node 5 answers 200 ms late."""
+    from redlock_django import Redlock
+    from redlock_django.conf import get_settings
+    from tests._proxy import FaultProxy
+
+    result = SlowNode(get_settings().node_timeout, SLOW_DELAY)
+    with FaultProxy(ports[4]) as proxy:
+        proxy.delay(SLOW_DELAY)
+        via = [*urls[:4], proxy.url]
+        for i in range(samples):
+            lock = Redlock(f"slow:{i}:{secrets.token_hex(4)}", nodes=via)
+            began = time.monotonic()
+            got = lock.acquire(timeout=5.0)
+            result.latencies.append(time.monotonic() - began)
+            if got:
+                result.acquired += 1
+                lock.release()
+    return result
+
+
+@dataclass
+class Memory:
+    """Redis memory per held lock (all nodes) and client memory per waiting lock."""
+
+    nodes: int
+    redis_bytes: float = 0.0
+    redis_bytes_fenced: float = 0.0
+    key_bytes: int = 0
+    fence_key_bytes: int = 0
+    client_bytes_per_waiter: float = 0.0
+    waiters: int = 0
+    subscriber_connections: int = 0
+
+
+def _used_memory(ports: Sequence[int]) -> int:
+    total = 0
+    for port in ports:
+        with _client(port) as client:
+            total += int(client.info("memory")["used_memory"])
+    return total
+
+
+def run_memory(ports: Sequence[int], held: int, waiters: int) -> Memory:
+    """Hold ``held`` locks and measure the nodes; park ``waiters`` asyncio waiters
+    behind held locks and measure this process with tracemalloc."""
+    import asyncio
+    import tracemalloc
+
+    from redlock_django import Redlock
+
+    result = Memory(nodes=5)
+    for fencing in (False, True):
+        before = _used_memory(ports[:5])
+        locks = [Redlock(f"mem:{fencing}:{i}", fencing=fencing) for i in range(held)]
+        for lock in locks:
+            assert lock.acquire(blocking=False)
+        after = _used_memory(ports[:5])
+        with _client(ports[0]) as client:
+            spec = locks[0]._resolve().spec
+            if fencing:
+                result.redis_bytes_fenced = (after - before) / held
+                result.fence_key_bytes = int(client.memory_usage(spec.fence_key) or 0)
+            else:
+                result.redis_bytes = (after - before) / held
+                result.key_bytes = int(client.memory_usage(spec.key) or 0)
+        for lock in locks:
+            lock.release()
+
+    holders = [Redlock(f"mem:wait:{i}") for i in range(waiters)]
+    for lock in holders:
+        assert lock.acquire(blocking=False)
+
+    async def park() -> None:
+        waiting = [
+            asyncio.create_task(Redlock(f"mem:wait:{i}").aacquire(timeout=60))
+            for i in range(waiters)
+        ]
+        await asyncio.sleep(1.0)  # first attempts, subscriptions, then waits
+        snapshot = tracemalloc.take_snapshot()
+        stats = snapshot.compare_to(base, "filename")
+        grown = sum(max(0, s.size_diff) for s in stats)
+        result.client_bytes_per_waiter = grown / waiters
+        result.waiters = waiters
+        with _client(ports[0]) as client:
+            result.subscriber_connections = sum(
+                1 for c in client.client_list() if int(c.get("sub", 0)) > 0
+            )
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    tracemalloc.start()
+    base = tracemalloc.take_snapshot()
+    try:
+        asyncio.run(park())
+    finally:
+        tracemalloc.stop()
+        for lock in holders:
+            lock.release()
+    return result
+
+
+def extras_report(slow: SlowNode | None, memory: Memory | None) -> str:
+    lines = []
+    if slow is not None and slow.latencies:
+        lines.append(
+            f"slow node: 1 of 5 nodes delayed {slow.delay * 1000:.0f} ms by a proxy, "
+            f"NODE_TIMEOUT {slow.node_timeout * 1000:.0f} ms, "
+            f"{len(slow.latencies)} acquisitions ({slow.acquired} granted): "
+            f"acquire p50 {slow.pct(0.5):.1f} ms, p99 {slow.pct(0.99):.1f} ms, "
+            f"max {max(slow.latencies) * 1000:.1f} ms"
+        )
+    if memory is not None:
+        lines.append(
+            f"memory: Redis per held lock, all {memory.nodes} nodes: "
+            f"{memory.redis_bytes:.0f} B ({memory.redis_bytes_fenced:.0f} B with "
+            f"fencing, whose counter outlives the lock); MEMORY USAGE on one node: "
+            f"lock hash {memory.key_bytes} B, "
+            f"fencing counter {memory.fence_key_bytes} B"
+        )
+        lines.append(
+            f"memory: client per waiting lock (asyncio, tracemalloc, "
+            f"{memory.waiters} waiters on {memory.waiters} resources): "
+            f"{memory.client_bytes_per_waiter:.0f} B; subscriber connections on "
+            f"node 1 for all of them: {memory.subscriber_connections}"
+        )
+    return "\n".join(lines)
+
+
 # --- report -------------------------------------------------------------------------
 
 
@@ -628,7 +775,11 @@ def table(uncontended: list[Uncontended], contended: list[Contended]) -> str:
     return "\n".join(lines)
 
 
-def targets(uncontended: list[Uncontended], contended: list[Contended]) -> str:
+def targets(
+    uncontended: list[Uncontended],
+    contended: list[Contended],
+    slow: SlowNode | None = None,
+) -> str:
     def u(name: str, n: int) -> float:
         for r in uncontended:
             if r.name == name and r.nodes == n:
@@ -703,6 +854,15 @@ def targets(uncontended: list[Uncontended], contended: list[Contended]) -> str:
                 )
             )
             checks.append((f"counter exact {x.nodes} node(s)", x.correct))
+    if slow is not None and slow.latencies:
+        bound = slow.node_timeout * 1000 + 5
+        checks.append(
+            (
+                f"slow node: acquire p99 {slow.pct(0.99):.1f} ms within NODE_TIMEOUT "
+                f"+ 5 ms ({bound:.0f} ms)",
+                slow.pct(0.99) <= bound,
+            )
+        )
     return "\n".join(f"  [{'met' if ok else 'NOT met'}] {text}" for text, ok in checks)
 
 
@@ -810,17 +970,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                         ),
                         flush=True,
                     )
+            slow: SlowNode | None = None
+            memory: Memory | None = None
+            if args.only is None:
+                nodes.flush_all()
+                slow = run_slow_node(ports, urls, 30 if args.quick else 100)
+                nodes.flush_all()
+                memory = run_memory(ports, 500, 200)
             print(f"\nran in {time.monotonic() - began:.0f}s\n")
             print(table(uncontended, contended))
+            print(extras_report(slow, memory))
             if uncontended and contended:
                 print("\nissue 5 targets (this run):")
-                print(targets(uncontended, contended))
+                print(targets(uncontended, contended, slow))
             if args.json:
                 args.json.write_text(
                     json.dumps(
                         {
                             "machine": info,
                             "quick": args.quick,
+                            "slow_node": None if slow is None else asdict(slow),
+                            "memory": None if memory is None else asdict(memory),
                             "uncontended": [asdict(r) for r in uncontended],
                             "contended": [
                                 {

@@ -17,10 +17,13 @@ import redis.asyncio
 from redis.exceptions import NoScriptError
 
 from .nodes import describe
-from .protocol import Fanout, NodeReply, Sleep, Step
+from .protocol import UNAWAITED, Fanout, NodeReply, Sleep, Step
 from .wake import AsyncWatch, Hub
 
 __all__ = ["fanout", "run"]
+
+#: Least time given to the other nodes once a quorum decided a fan-out.
+_GRACE = 0.001
 
 
 async def _call(client: redis.asyncio.Redis, step: Fanout, timeout: float) -> NodeReply:
@@ -60,10 +63,37 @@ async def fanout(
     clients: Sequence[redis.asyncio.Redis], step: Fanout, timeout: float
 ) -> list[NodeReply]:
     """Run ``step`` on its nodes concurrently; return one reply per targeted node."""
-    targets = range(len(clients)) if step.nodes is None else step.nodes
-    return list(
-        await asyncio.gather(*(_call(clients[i], step, timeout) for i in targets))
-    )
+    targets = list(range(len(clients)) if step.nodes is None else step.nodes)
+    calls = [asyncio.ensure_future(_call(clients[i], step, timeout)) for i in targets]
+    if not step.need:
+        return list(await asyncio.gather(*calls))
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    pending: set[asyncio.Future[NodeReply]] = set(calls)
+    try:
+        wins = 0
+        while pending and wins < step.need:
+            done, pending = await asyncio.wait(
+                pending, return_when=asyncio.FIRST_COMPLETED
+            )
+            for call in done:
+                reply = call.result()
+                if step.wins is not None and reply.ok and step.wins(reply.value):
+                    wins += 1
+        if pending:
+            # Known outcome: give the other nodes a few round trips (as sync.py
+            # does), then stop waiting for a slow or hung one.
+            grace = max(_GRACE, 2 * (loop.time() - began))
+            _, pending = await asyncio.wait(pending, timeout=grace)
+    finally:
+        for call in pending:
+            call.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    return [
+        NodeReply(error=UNAWAITED) if call.cancelled() else call.result()
+        for call in calls
+    ]
 
 
 async def run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -52,15 +53,17 @@ from .protocol import (
     watchdog_flow,
 )
 
-__all__ = ["Redlock", "check_resource"]
+__all__ = ["Redlock", "check_resource", "key_name"]
 
 logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-#: Longest resource name, in characters; keys stay small and bounded.
+#: Longest resource name kept whole in keys; longer names are hashed (key_name).
 MAX_RESOURCE_LENGTH = 200
+#: Longest name a lock accepts at all, in characters.
+MAX_NAME_LENGTH = 1000
 #: Bytes of randomness in a token (the Redlock spec assumes 20).
 TOKEN_BYTES = 20
 
@@ -107,22 +110,35 @@ def _handoff_defer(identity: tuple[Any, ...]) -> float:
     return 0.0 if until is None else max(0.0, until - _clock())
 
 
-def check_resource(resource: object) -> str:
+def check_resource(resource: object, limit: int = MAX_RESOURCE_LENGTH) -> str:
     """Return ``resource`` if it is a valid lock name, else raise ``ValueError``.
 
-    A name is a non-empty string of at most ``MAX_RESOURCE_LENGTH`` characters
-    without control characters (they would break logs, pages and the protocol).
+    A name is a non-empty string of at most ``limit`` printable characters:
+    control, format (bidi overrides, zero-width) and line-separator characters
+    would break or disguise logs, pages and keys.
     """
     if not isinstance(resource, str) or not resource:
         raise ValueError(f"resource must be a non-empty string, not {resource!r}")
-    if len(resource) > MAX_RESOURCE_LENGTH:
+    if len(resource) > limit:
         raise ValueError(
-            f"resource is {len(resource)} characters long; "
-            f"the limit is {MAX_RESOURCE_LENGTH}"
+            f"resource is {len(resource)} characters long; the limit is {limit}"
         )
-    if any(ord(c) < 32 or ord(c) == 127 for c in resource):
+    if not resource.isprintable():
         raise ValueError(f"resource {resource!r} contains control characters")
     return resource
+
+
+def key_name(resource: str) -> str:
+    """The resource as it appears in keys, at most ``MAX_RESOURCE_LENGTH`` long.
+
+    A longer name (say one built from user input) keeps its first 160 characters,
+    for people reading the keys, and a hash of the whole name, so names that
+    differ only in their tail still get different locks.
+    """
+    if len(resource) <= MAX_RESOURCE_LENGTH:
+        return resource
+    digest = hashlib.sha256(resource.encode()).hexdigest()[:32]
+    return f"{resource[:160]}~{digest}"
 
 
 def _check_seconds(name: str, value: float | None, *, allow_none: bool) -> None:
@@ -409,7 +425,7 @@ class Redlock:
         node_timeout: float | None = None,
         drift_factor: float | None = None,
     ) -> None:
-        self.resource = check_resource(resource)
+        self.resource = check_resource(resource, MAX_NAME_LENGTH)
         _check_seconds("ttl", ttl, allow_none=True)
         _check_seconds("max_hold", max_hold, allow_none=True)
         _check_seconds("node_timeout", node_timeout, allow_none=True)
@@ -480,7 +496,7 @@ class Redlock:
         prefix = settings.key_prefix
         spec = LockSpec(
             resource=self.resource,
-            key=f"{prefix}:lock:{self.resource}",
+            key=f"{prefix}:lock:{key_name(self.resource)}",
             node_names=tuple(n.display for n in node_specs),
             ttl=ttl,
             drift_factor=drift_factor,
@@ -494,7 +510,9 @@ class Redlock:
                 if self.retry_jitter is not None
                 else settings.retry_jitter
             ),
-            fence_key=f"{prefix}:fence:{self.resource}" if self.fencing else None,
+            fence_key=(
+                f"{prefix}:fence:{key_name(self.resource)}" if self.fencing else None
+            ),
         )
         config = _Config(
             spec=spec,
@@ -523,6 +541,8 @@ class Redlock:
             return config.wait_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise TypeError(f"timeout must be a number of seconds, not {timeout!r}")
+        if timeout != timeout:  # NaN: no deadline would ever pass
+            raise ValueError(f"timeout must be a number of seconds, not {timeout!r}")
         return None if timeout < 0 else float(timeout)
 
     def _meta(self, config: _Config, holder: str) -> str:

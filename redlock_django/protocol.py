@@ -39,6 +39,8 @@ from .scripts import (
 
 #: Redis expires keys with millisecond precision; the spec adds 2 ms to the drift.
 EXPIRE_PRECISION = 0.002
+#: The error of a node whose reply was not waited for: a quorum had already won.
+UNAWAITED = "not waited for: a quorum had answered"
 
 Clock = Callable[[], float]
 Random = Callable[[], float]
@@ -69,6 +71,26 @@ class Fanout:
     args: tuple[str | int, ...]
     nodes: tuple[int, ...] | None = None
     critical: bool = False
+    #: A driver may stop waiting once ``need`` nodes answered with a value that
+    #: ``wins`` accepts: the outcome is known, and a slow node then costs nothing.
+    #: The nodes not waited for reply ``UNAWAITED``.
+    need: int = 0
+    wins: Callable[[Any], bool] | None = None
+
+
+def granted(value: Any) -> bool:
+    """An ACQUIRE reply that grants the lock (the fencing counter, >= 0)."""
+    return isinstance(value, int) and value >= 0
+
+
+def confirmed(value: Any) -> bool:
+    """A FENCE or EXTEND reply that confirms our token still holds the key."""
+    return isinstance(value, int) and value == 1
+
+
+def released(value: Any) -> bool:
+    """A RELEASE reply that deleted our key (1 + the subscribers told)."""
+    return isinstance(value, int) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -211,7 +233,11 @@ def _error(
         f"{granted}/{spec.node_count} nodes, quorum {spec.quorum}"
     )
     if failed:
-        reasons = "; ".join(f"{name}: {reason}" for name, reason in failed.items())
+        index = {name: i for i, name in enumerate(spec.node_names)}
+        reasons = "; ".join(
+            f"node[{index.get(name, '?')}] {name}: {reason}"
+            for name, reason in failed.items()
+        )
         message += f" (failed: {reasons})"
     return cls(
         message,
@@ -263,36 +289,43 @@ def acquire_flow(
         attempt += 1
         start = clock()
         try:
-            replies: Replies = yield Fanout(ACQUIRE_SCRIPT, keys, (token, lease, meta))
+            replies: Replies = yield Fanout(
+                ACQUIRE_SCRIPT,
+                keys,
+                (token, lease, meta),
+                need=spec.quorum,
+                wins=granted,
+            )
         except BaseException:
             yield _cleanup(spec, token, attempt)
             raise
-        granted = tuple(
-            i
-            for i, r in zip(every, replies, strict=True)
-            if isinstance(r.value, int) and r.value >= 0
-        )
+        won = tuple(i for i, r in zip(every, replies, strict=True) if granted(r.value))
         failed = _failed(spec, replies, every)
         left = validity(spec.ttl, clock() - start, spec.drift_factor)
         fencing_token = None
-        if len(granted) >= spec.quorum and left > 0 and spec.fence_key is not None:
-            fencing_token = max(replies[i].value for i in granted) + 1
+        if len(won) >= spec.quorum and left > 0 and spec.fence_key is not None:
+            fencing_token = max(replies[i].value for i in won) + 1
             try:
                 confirms: Replies = yield Fanout(
-                    FENCE_SCRIPT, keys, (token, fencing_token), nodes=granted
+                    FENCE_SCRIPT,
+                    keys,
+                    (token, fencing_token),
+                    nodes=won,
+                    need=spec.quorum,
+                    wins=confirmed,
                 )
             except BaseException:
                 yield _cleanup(spec, token, attempt)
                 raise
-            failed.update(_failed(spec, confirms, granted))
-            granted = tuple(
-                i for i, r in zip(granted, confirms, strict=True) if r.value == 1
+            failed.update(_failed(spec, confirms, won))
+            won = tuple(
+                i for i, r in zip(won, confirms, strict=True) if confirmed(r.value)
             )
             left = validity(spec.ttl, clock() - start, spec.drift_factor)
-        if len(granted) >= spec.quorum and left > 0:
+        if len(won) >= spec.quorum and left > 0:
             valid_until = start + spec.ttl - drift(spec.ttl, spec.drift_factor)
             return Grant(
-                token, start, valid_until, granted, fencing_token, attempt, wakeups
+                token, start, valid_until, won, fencing_token, attempt, wakeups
             )
 
         # Failed attempt: unlock every node, even those that seemed not to answer
@@ -303,16 +336,16 @@ def acquire_flow(
                 QuorumUnavailableError,
                 spec,
                 "too few nodes answered",
-                len(granted),
+                len(won),
                 failed,
             )
         now = clock()
         if deadline is not None and now >= deadline:
-            if len(granted) >= spec.quorum:
+            if len(won) >= spec.quorum:
                 why = f"nodes answered too slowly for a {spec.ttl:g}s lease"
-                raise _error(QuorumUnavailableError, spec, why, len(granted), failed)
+                raise _error(QuorumUnavailableError, spec, why, len(won), failed)
             why = "held by another owner" if wait else "held by another owner, no wait"
-            raise _error(LockContentionError, spec, why, len(granted), failed)
+            raise _error(LockContentionError, spec, why, len(won), failed)
         delay = retry_delay(spec, rand)
         if deadline is not None:
             delay = min(delay, deadline - now)
@@ -341,27 +374,38 @@ def extend_flow(
             quorum=spec.quorum,
         )
     every = tuple(range(spec.node_count))
-    replies: Replies = yield Fanout(EXTEND_SCRIPT, (spec.key,), (token, ttl_ms(ttl)))
+    replies: Replies = yield Fanout(
+        EXTEND_SCRIPT,
+        (spec.key,),
+        (token, ttl_ms(ttl)),
+        need=spec.quorum,
+        wins=confirmed,
+    )
     now = clock()
-    confirmed = sum(1 for r in replies if r.value == 1)
+    confirms = sum(1 for r in replies if confirmed(r.value))
     failed = _failed(spec, replies, every)
     fresh = validity(ttl, now - start, spec.drift_factor)
-    if confirmed >= spec.quorum and fresh > 0 and now < valid_until:
-        return Extension(confirmed, start + ttl - drift(ttl, spec.drift_factor), failed)
-    return Extension(confirmed, None, failed)
+    if confirms >= spec.quorum and fresh > 0 and now < valid_until:
+        return Extension(confirms, start + ttl - drift(ttl, spec.drift_factor), failed)
+    return Extension(confirms, None, failed)
 
 
 def release_flow(spec: LockSpec, token: str) -> Generator[Step, Any, Release]:
     """Delete our token's key on every node; keys of other tokens are left alone."""
     every = tuple(range(spec.node_count))
     replies: Replies = yield Fanout(
-        RELEASE_SCRIPT, (spec.key,), (token, release_id(token)), critical=True
+        RELEASE_SCRIPT,
+        (spec.key,),
+        (token, release_id(token)),
+        critical=True,
+        need=spec.quorum,
+        wins=released,
     )
     # A node that deleted our key answers 1 + the subscribers it woke.
-    counts = tuple(r.value if isinstance(r.value, int) else 0 for r in replies)
-    released = sum(1 for n in counts if n >= 1)
+    counts = tuple(r.value if released(r.value) else 0 for r in replies)
     listeners = tuple(max(0, n - 1) for n in counts)
-    return Release(released, _failed(spec, replies, every), listeners)
+    done = sum(1 for n in counts if n)
+    return Release(done, _failed(spec, replies, every), listeners)
 
 
 def locked_flow(spec: LockSpec) -> Generator[Step, Any, bool]:

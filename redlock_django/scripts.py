@@ -4,6 +4,10 @@ A lock is one hash per node, so its holder metadata lives and dies with it:
 ``token`` (the random owner value), ``meta`` (JSON: host, pid, thread, label...),
 and ``fence`` (the fencing token, when one was asked for). Every script declares all
 the keys it touches in KEYS, so ACL key patterns apply to them.
+
+The owner is read with ``pcall`` so that a key of another type (WRONGTYPE: not
+ours) counts as held by someone else; any other error (an ACL NOPERM, say) is
+returned as the error reply it is, so the node reports why instead of seeming busy.
 """
 
 from __future__ import annotations
@@ -51,7 +55,13 @@ if KEYS[2] then
   end
 end
 local owner = redis.pcall('hget', KEYS[1], 'token')
-if owner and (type(owner) == 'table' or owner ~= ARGV[1]) then
+if type(owner) == 'table' then
+  if string.sub(owner.err or '', 1, 9) ~= 'WRONGTYPE' then
+    return owner
+  end
+  return -1
+end
+if owner and owner ~= ARGV[1] then
   return -1
 end
 redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])
@@ -69,7 +79,11 @@ return fence
 RELEASE_SCRIPT = Script(
     "release",
     """
-if redis.pcall('hget', KEYS[1], 'token') ~= ARGV[1] then
+local owner = redis.pcall('hget', KEYS[1], 'token')
+if type(owner) == 'table' and string.sub(owner.err or '', 1, 9) ~= 'WRONGTYPE' then
+  return owner
+end
+if owner ~= ARGV[1] then
   return 0
 end
 local deleted = redis.call('del', KEYS[1])
@@ -90,7 +104,11 @@ return deleted
 EXTEND_SCRIPT = Script(
     "extend",
     """
-if redis.pcall('hget', KEYS[1], 'token') == ARGV[1] then
+local owner = redis.pcall('hget', KEYS[1], 'token')
+if type(owner) == 'table' and string.sub(owner.err or '', 1, 9) ~= 'WRONGTYPE' then
+  return owner
+end
+if owner == ARGV[1] then
   return redis.call('pexpire', KEYS[1], ARGV[2])
 end
 return 0
@@ -104,7 +122,11 @@ return 0
 FENCE_SCRIPT = Script(
     "fence",
     """
-if redis.pcall('hget', KEYS[1], 'token') ~= ARGV[1] then
+local owner = redis.pcall('hget', KEYS[1], 'token')
+if type(owner) == 'table' and string.sub(owner.err or '', 1, 9) ~= 'WRONGTYPE' then
+  return owner
+end
+if owner ~= ARGV[1] then
   return 0
 end
 if tonumber(redis.call('get', KEYS[2]) or '0') < tonumber(ARGV[2]) then

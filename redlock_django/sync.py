@@ -9,7 +9,9 @@ its connection is dropped rather than returned to the pool with a reply still du
 from __future__ import annotations
 
 import collections
+import math
 import os
+import select
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -19,7 +21,7 @@ import redis
 from redis.exceptions import NoScriptError
 
 from .nodes import describe
-from .protocol import Fanout, NodeReply, Sleep, Step
+from .protocol import UNAWAITED, Fanout, NodeReply, Sleep, Step
 from .wake import Hub, SyncWatch
 
 __all__ = ["fanout", "run"]
@@ -28,6 +30,8 @@ T = TypeVar("T")
 
 #: The shortest read timeout: a zero timeout would make the socket non-blocking.
 _MIN_WAIT = 0.0001
+#: Least time given to the other nodes once a quorum decided a fan-out.
+_GRACE = 0.001
 #: Idle connections kept per node; more (a burst of threads) are closed on return.
 MAX_IDLE = 32
 
@@ -71,6 +75,10 @@ def _give(idle: _Idle, conn: Any) -> None:
         conn.disconnect()
 
 
+def _is_tls(conn: Any) -> bool:
+    return isinstance(conn, redis.SSLConnection)
+
+
 def _command(step: Fanout, by_sha: bool) -> tuple[Any, ...]:
     head = ("EVALSHA", step.script.sha) if by_sha else ("EVAL", step.script.source)
     return (*head, len(step.keys), *step.keys, *step.args)
@@ -81,15 +89,16 @@ def fanout(
 ) -> list[NodeReply]:
     """Run ``step`` on its nodes at once; return one reply per targeted node."""
     targets = range(len(pools)) if step.nodes is None else step.nodes
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = began + timeout
     replies: dict[int, NodeReply] = {}
     # Clean-ups go as EVAL: a node that never answers (frozen, then resumed) may
     # run them long after this call gave up, with nobody left to resend the source
     # after a NOSCRIPT. Redis caches the script either way.
     command = _command(step, by_sha=not step.critical)
     packed: Any = None
-    # (node, its idle deque, connection, may retry on a new connection, NOSCRIPT
-    # already answered by resending the source)
+    # [node, its idle deque, connection, may retry on a new connection, NOSCRIPT
+    # already answered by resending the source]
     queue: list[tuple[int, _Idle, Any, bool, bool]] = []
     for i in targets:
         idle, conn, reused = _take(pools[i])
@@ -113,23 +122,62 @@ def fanout(
                 continue
             reused = False
         queue.append((i, idle, conn, reused, False))
-    # Read every reply. A node that answers NOSCRIPT (restarted, or SCRIPT FLUSH)
-    # gets the source once, which caches the script again, and is read once more.
+    # Read the replies as they arrive (a slow node first in the list must not
+    # hold up the rest), until every node answered, the deadline passed, or the
+    # step's outcome is known (``need`` winning replies). A node that answers
+    # NOSCRIPT (restarted, or SCRIPT FLUSH) gets the source once and is read again.
+    poller = select.poll()
+    waiting: dict[int, list[Any]] = {}
+    for sent in queue:
+        fd = sent[2]._sock.fileno()
+        poller.register(fd, select.POLLIN)
+        waiting[fd] = list(sent)
+    wins = 0
+    why = "timed out"
+    final = False
     try:
-        while queue:
-            i, idle, conn, reused, resent = queue[0]
-            try:
-                wait = max(deadline - time.monotonic(), _MIN_WAIT)
-                replies[i] = NodeReply(conn.read_response(timeout=wait))
-            except NoScriptError:
-                if not resent:
+        while waiting:
+            if step.need and wins >= step.need and why != UNAWAITED:
+                # Known outcome: healthy nodes answer within a few round trips of
+                # each other; only a slow or hung node is left behind (and its
+                # connection dropped, which costs a reconnect).
+                now = time.monotonic()
+                deadline = min(deadline, now + max(_GRACE, 2 * (now - began)))
+                why = UNAWAITED
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if final:
+                    break
+                # One last look, without waiting: replies that arrived while
+                # others were read (or that sit decrypted in a TLS buffer) count.
+                final = True
+                ready = [(fd, 0) for fd in waiting]
+            else:
+                # poll() cannot see bytes a TLS layer already decrypted: those
+                # connections are read in turn, blocking up to the deadline.
+                tls = next((fd for fd, it in waiting.items() if _is_tls(it[2])), None)
+                if tls is not None:
+                    ready = [(tls, 0)]
+                else:
+                    ready = poller.poll(max(1, math.ceil(left * 1000)))
+            for fd, _ in ready:
+                item = waiting.pop(fd)
+                poller.unregister(fd)
+                i, idle, conn, reused, resent = item
+                try:
+                    value = conn.read_response(timeout=max(left, _MIN_WAIT))
+                except NoScriptError:
+                    if resent:
+                        replies[i] = NodeReply(error="NoScriptError")
+                        _give(idle, conn)
+                        continue
                     conn.send_command(*_command(step, by_sha=False))
-                    queue[0] = (i, idle, conn, False, True)
-                    continue
-                replies[i] = NodeReply(error="NoScriptError")
-            except redis.ConnectionError as exc:
-                conn.disconnect()
-                if reused and time.monotonic() < deadline:
+                    item[3:] = [False, True]
+                except redis.ConnectionError as exc:
+                    conn.disconnect()
+                    if not reused or time.monotonic() >= deadline:
+                        replies[i] = NodeReply(error=describe(exc))
+                        continue
                     # Closed by the server while idle: retry once on a new
                     # connection. Every script is idempotent for one token, so a
                     # command that did run is safe to run again; a timeout is not
@@ -141,24 +189,28 @@ def fanout(
                     except Exception as again:
                         conn.disconnect()
                         replies[i] = NodeReply(error=describe(again))
-                        queue.pop(0)
                         continue
-                    queue[0] = (i, idle, conn, False, resent)
+                    item[2:] = [conn, False, resent]
+                except Exception as exc:
+                    conn.disconnect()
+                    late = final and isinstance(exc, redis.TimeoutError)
+                    replies[i] = NodeReply(error=why if late else describe(exc))
                     continue
-                replies[i] = NodeReply(error=describe(exc))
-                queue.pop(0)
-                continue
-            except Exception as exc:
-                conn.disconnect()
-                replies[i] = NodeReply(error=describe(exc))
-                queue.pop(0)
-                continue
-            queue.pop(0)
-            _give(idle, conn)
+                else:
+                    replies[i] = NodeReply(value)
+                    _give(idle, conn)
+                    if step.wins is not None and step.wins(value):
+                        wins += 1
+                    continue
+                fd = item[2]._sock.fileno()
+                poller.register(fd, select.POLLIN)
+                waiting[fd] = item
     finally:
-        # Interrupted: replies still due on these connections; never reuse them.
-        for _, _, conn, _, _ in queue:
+        # Replies still due on these connections (too late, not needed, or an
+        # interruption): never reuse them.
+        for i, _, conn, _, _ in waiting.values():
             conn.disconnect()
+            replies.setdefault(i, NodeReply(error=why))
     return [replies[i] for i in targets]
 
 

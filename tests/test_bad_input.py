@@ -164,19 +164,7 @@ CASES = [
     Case("extend(nan)", extend(NAN), ValueError, r"ttl must be .* nan", {}, True),
     Case("extend(inf)", extend(INF), ValueError, r"ttl must be .* inf", {}, True),
     Case("extend('5')", extend("5"), TypeError, r"ttl must be a number", {}, True),
-]
-
-#: Accepted today although invalid; each needs a change in a file the lead owns.
-KNOWN_GAPS = [
-    pytest.param(
-        Case("timeout=nan", acquire_and_release(timeout=NAN), ValueError, "timeout"),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="Redlock._wait (lock.py) passes a NaN timeout on: the deadline "
-            "never passes, so a contended acquire would wait forever",
-        ),
-        id="timeout=nan",
-    ),
+    Case("timeout=nan", acquire_and_release(timeout=NAN), ValueError, "timeout"),
 ]
 
 
@@ -185,9 +173,7 @@ def commands_processed(clients: list[Any]) -> list[int]:
     return [int(client.info("stats")["total_commands_processed"]) for client in clients]
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(case, id=case.name) for case in CASES] + KNOWN_GAPS
-)
+@pytest.mark.parametrize("case", [pytest.param(case, id=case.name) for case in CASES])
 def test_bad_input_raises_a_clear_error_before_anything_is_sent(
     settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet, case: Case
 ) -> None:

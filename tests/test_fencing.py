@@ -23,6 +23,7 @@ import redis
 
 from redlock_django import LockError, QuorumUnavailableError, Redlock
 from tests._nodes import NodeSet, RedisNode
+from tests._proxy import FaultProxy
 
 RESOURCE = "fenced"
 LOCK_KEY = f"redlock:lock:{RESOURCE}"
@@ -339,17 +340,22 @@ def test_acquisition_fails_when_the_write_back_misses_a_quorum(
 ) -> None:
     """Four nodes grant, two of them freeze before the write-back: no lock.
 
-    Node 4 is frozen from the start, so the first round waits ``node_timeout`` for
-    it; meanwhile nodes 0 and 1 are frozen right after they granted. Only nodes 2
-    and 3 confirm the token, fewer than a quorum: the acquisition must fail.
+    Node 4 is frozen from the start. Requests to nodes 0 and 1 go through proxies
+    that deliver them 50 ms late, so the freezer has that long to stop those two
+    nodes between their grant and the write-back reaching them. Only nodes 2 and 3
+    confirm the token, fewer than a quorum: the acquisition must fail.
     """
-    lock = Redlock(RESOURCE, fencing=True, ttl=5.0, node_timeout=0.3)
-    nodes[4].pause()
-    freezer = FreezeOnGrant([nodes[0], nodes[1]])
-    freezer.start()
-    with held(lock), pytest.raises(QuorumUnavailableError) as caught:
-        lock.acquire(timeout=0)
-    freezer.join()
+    with FaultProxy(nodes[0].port) as slow0, FaultProxy(nodes[1].port) as slow1:
+        for proxy in (slow0, slow1):
+            proxy.delay(0.0, requests=0.05)
+        urls = [slow0.url, slow1.url, *nodes.urls[2:]]
+        lock = Redlock(RESOURCE, fencing=True, ttl=5.0, node_timeout=0.3, nodes=urls)
+        nodes[4].pause()
+        freezer = FreezeOnGrant([nodes[0], nodes[1]])
+        freezer.start()
+        with held(lock), pytest.raises(QuorumUnavailableError) as caught:
+            lock.acquire(timeout=0)
+        freezer.join()
     assert set(freezer.frozen) == {nodes[0], nodes[1]}
     assert caught.value.granted == 2
     assert len(caught.value.failed) == 3

@@ -337,8 +337,9 @@ def test_acquire_extend_release_succeed_within_node_timeout_with_two_of_five_pau
     nodes: NodeSet, fast_fail: dict[str, Any], resource: str, frozen: tuple[int, ...]
 ) -> None:
     """With two of five nodes frozen, acquire, extend and release each succeed
-    after about NODE_TIMEOUT (not redis-py's 5 s default), and once the frozen
-    nodes resume and run what was queued for them, nothing of ours is left.
+    within NODE_TIMEOUT (not redis-py's 5 s default): once the three live nodes
+    decided, the frozen ones are not waited for. Once they resume and run what was
+    queued for them, nothing of ours is left.
     """
     load_scripts(nodes)
     key = lock_key(resource)
@@ -360,8 +361,6 @@ def test_acquire_extend_release_succeed_within_node_timeout_with_two_of_five_pau
 
     for took in (took_acquire, took_extend, took_release):
         assert took < NODE_TIMEOUT + SLACK, (took_acquire, took_extend, took_release)
-    # The frozen nodes really were waited for (and given up on).
-    assert took_acquire >= NODE_TIMEOUT * 0.9
     # Their queued acquire, extend and release run in order once they resume.
     drain(expected)
     assert holders(nodes, key) == [None] * len(nodes)
@@ -638,7 +637,6 @@ async def test_async_acquire_extend_release_succeed_with_two_of_five_paused(
 
     for took in (took_acquire, took_extend, took_release):
         assert took < NODE_TIMEOUT + SLACK, (took_acquire, took_extend, took_release)
-    assert took_acquire >= NODE_TIMEOUT * 0.9
     drain(expected)
     assert holders(nodes, key) == [None] * len(nodes)
 
