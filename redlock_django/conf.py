@@ -77,6 +77,8 @@ DEFAULTS: dict[str, object] = {
     "NODE_TIMEOUT": 0.05,
     "AUTO_EXTEND": False,
     "MAX_HOLD": 300.0,
+    # Waiters subscribe to releases (wake.py) instead of only retrying on a timer.
+    "WAKE_UPS": True,
 }
 
 MAX_TTL = 86400.0
@@ -142,7 +144,7 @@ _HINTS = {
     "redlock.E010": "Use a short name such as 'redlock' or 'myproject:lock': at most "
     f"{MAX_KEY_PREFIX_LENGTH} characters, no whitespace, no control characters and "
     "none of * ? [ ] \\.",
-    "redlock.E011": "Set AUTO_EXTEND to True or False.",
+    "redlock.E011": "Set AUTO_EXTEND and WAKE_UPS to True or False.",
     "redlock.W001": "The quorum is N//2 + 1, so 2 nodes tolerate no failure and "
     "4 nodes tolerate no more failures than 3: use an odd count, 5 recommended.",
     "redlock.W002": "Databases of one server fail together: give every node its "
@@ -200,6 +202,7 @@ class RedlockSettings:
     node_timeout: float
     auto_extend: bool
     max_hold: float | None
+    wake_ups: bool = True
 
 
 class _AliasError(ValueError):
@@ -294,6 +297,7 @@ def get_settings() -> RedlockSettings:
         node_timeout=_seconds(values["NODE_TIMEOUT"]),
         auto_extend=bool(values["AUTO_EXTEND"]),
         max_hold=_optional_seconds(values["MAX_HOLD"]),
+        wake_ups=bool(values["WAKE_UPS"]),
     )
 
 
@@ -675,11 +679,12 @@ def _validate(
     if reason:
         error("redlock.E010", f"REDLOCK['KEY_PREFIX'] {_show(prefix)} {reason}")
 
-    if not isinstance(values["AUTO_EXTEND"], bool):
-        error(
-            "redlock.E011",
-            f"REDLOCK['AUTO_EXTEND'] is {_show(values['AUTO_EXTEND'])}, not a bool",
-        )
+    for name in ("AUTO_EXTEND", "WAKE_UPS"):
+        if not isinstance(values[name], bool):
+            error(
+                "redlock.E011",
+                f"REDLOCK[{name!r}] is {_show(values[name])}, not a bool",
+            )
     return problems, values, nodes
 
 

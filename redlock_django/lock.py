@@ -170,6 +170,7 @@ class _Config:
     wait_timeout: float | None
     auto_extend: bool
     max_hold: float | None
+    wake_ups: bool
     #: Identifies the lock across ``Redlock`` objects: same nodes, same key.
     identity: tuple[Any, ...]
 
@@ -525,6 +526,7 @@ class Redlock:
                 else settings.auto_extend
             ),
             max_hold=self.max_hold if self.max_hold is not None else settings.max_hold,
+            wake_ups=settings.wake_ups,
             identity=(tuple(n.identity for n in node_specs), spec.key),
         )
         self._config, self._config_from = config, settings
@@ -722,7 +724,8 @@ class Redlock:
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         since = _clock()
         try:
-            grant = sync.run(flow, pools, config.node_timeout, hub=wake.hub(pools))
+            hub = wake.hub(pools) if config.wake_ups else None
+            grant = sync.run(flow, pools, config.node_timeout, hub=hub)
         except (LockContentionError, QuorumUnavailableError) as exc:
             return self._not_acquired(exc, since)
         hold = self._grant(owner, config, grant, since)
@@ -830,7 +833,11 @@ class Redlock:
             return True
         config, flow = started
         clients = nodes.async_clients(config.nodes, config.node_timeout)
-        hub = wake.hub(nodes.sync_pools(config.nodes, config.node_timeout))
+        hub = (
+            wake.hub(nodes.sync_pools(config.nodes, config.node_timeout))
+            if config.wake_ups
+            else None
+        )
         since = _clock()
         try:
             grant = await aio.run(flow, clients, config.node_timeout, hub=hub)

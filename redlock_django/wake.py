@@ -118,6 +118,9 @@ class _Reader(threading.Thread):
         self._conn: Any = None
         self._send_lock = threading.Lock()
         self._warned = False
+        # Pauses wait on an Event, not time.sleep(): the same monotonic wait, and
+        # it also works under libfaketime (whose sleep() fails, see reliability.md).
+        self._pause = threading.Event()
 
     def ask(self, channels: Sequence[bytes]) -> None:
         """Subscribe to ``channels`` now if connected (else at the next connect)."""
@@ -189,7 +192,7 @@ class _Reader(threading.Thread):
         try:
             while self.hub.keep(self):
                 if self._conn is None and not self._connect():
-                    time.sleep(RECONNECT)
+                    self._pause.wait(RECONNECT)
                     continue
                 try:
                     self._prune()
@@ -199,7 +202,7 @@ class _Reader(threading.Thread):
                 except Exception as exc:
                     self._warn(describe(exc))
                     self._drop()
-                    time.sleep(RECONNECT)
+                    self._pause.wait(RECONNECT)
         finally:
             self._drop()
 

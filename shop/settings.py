@@ -95,6 +95,9 @@ REDLOCK = {
     "TTL": float(os.environ.get("REDLOCK_TTL", "5")),
     "WAIT_TIMEOUT": float(os.environ.get("REDLOCK_WAIT_TIMEOUT", "2")),
 }
+# REDLOCK_NODES may carry passwords: Django's own filter would print them in error
+# reports (settings are hidden by name only); this one masks URL passwords.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "redlock_django.conf.SafeSettingsReporterFilter"
 
 # Simulated "payment" time spent inside both buy views' critical sections, so the
 # locked and unsafe endpoints are compared doing the same work.

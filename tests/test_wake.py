@@ -227,3 +227,26 @@ def test_readers_close_their_connections_once_nobody_waits(
         "the reader threads end",
     )
     assert _subscribers(nodes) == [[] for _ in nodes]
+
+
+def test_wake_ups_off_leaves_waiters_on_their_timer_and_opens_no_subscriber(
+    redlock_settings: dict[str, Any],
+    settings: Any,
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    settings.REDLOCK = {**redlock_settings, "WAKE_UPS": False}
+    holder = Redlock("wake:off")
+    assert holder.acquire(blocking=False)
+    results: list[bool] = []
+    thread = _waiter(Redlock("wake:off", retry_delay=0.3, retry_jitter=0), results)
+    time.sleep(0.1)
+    holder.release()
+    thread.join(timeout=10)
+    assert results == [True]
+    assert acquisitions[-1]["wakeups"] == 0
+    # Readers of earlier tests close within a poll (0.2 s); one of this waiter's
+    # would linger for LINGER (2 s) after it left.
+    _wait_for(
+        lambda: _subscribers(nodes) == [[] for _ in nodes], "no subscribers", limit=1
+    )
