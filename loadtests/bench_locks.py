@@ -563,6 +563,8 @@ def contended_plan() -> list[tuple[str, str, int]]:
 # --- a slow node, and memory ---------------------------------------------------------
 
 SLOW_DELAY = 0.2
+#: Node timeout of the waiters parked for the memory measurement.
+SLOW_TIMEOUT = 0.5
 
 
 @dataclass
@@ -611,6 +613,8 @@ class Memory:
     fence_key_bytes: int = 0
     client_bytes_per_waiter: float = 0.0
     waiters: int = 0
+    #: Waiters whose first attempt failed (a cold burst can outrun NODE_TIMEOUT).
+    failed_waiters: int = 0
     subscriber_connections: int = 0
 
 
@@ -628,7 +632,8 @@ def run_memory(ports: Sequence[int], held: int, waiters: int) -> Memory:
     import asyncio
     import tracemalloc
 
-    from redlock_django import Redlock
+    from redlock_django import Redlock, nodes, wake
+    from redlock_django.conf import get_settings
 
     result = Memory(nodes=5)
     for fencing in (False, True):
@@ -653,16 +658,37 @@ def run_memory(ports: Sequence[int], held: int, waiters: int) -> Memory:
         assert lock.acquire(blocking=False)
 
     async def park() -> None:
-        waiting = [
-            asyncio.create_task(Redlock(f"mem:wait:{i}").aacquire(timeout=60))
-            for i in range(waiters)
-        ]
-        await asyncio.sleep(1.0)  # first attempts, subscriptions, then waits
+        # Started ten at a time: 200 first attempts at once would open 1,000
+        # connections within one NODE_TIMEOUT, and many would time out.
+        waiting = []
+        for i in range(waiters):
+            # tracemalloc slows Python several times: a first connection may
+            # not fit the default 50 ms node timeout.
+            lock = Redlock(f"mem:wait:{i}", node_timeout=SLOW_TIMEOUT)
+            waiting.append(asyncio.create_task(lock.aacquire(timeout=60)))
+            if i % 10 == 9:
+                await asyncio.sleep(0.05)
+        # Every waiter made its first attempt and is parked on its channel, and
+        # every channel is confirmed by node 1 (200 first attempts open 200
+        # connections per node, slowly under tracemalloc).
+        config = get_settings()
+        hub = wake.hub(nodes.sync_pools(config.nodes, SLOW_TIMEOUT))
+        channels = [lock._resolve().spec.key.encode() for lock in holders]
+
+        def parked() -> int:
+            return sum(hub.waiting(c) == 1 and hub.listening(0, c) for c in channels)
+
+        give_up = time.monotonic() + 30
+        while time.monotonic() < give_up and parked() + sum(
+            t.done() for t in waiting
+        ) < len(waiting):
+            await asyncio.sleep(0.1)
+        result.waiters = parked()
+        result.failed_waiters = sum(t.done() for t in waiting)
         snapshot = tracemalloc.take_snapshot()
         stats = snapshot.compare_to(base, "filename")
         grown = sum(max(0, s.size_diff) for s in stats)
-        result.client_bytes_per_waiter = grown / waiters
-        result.waiters = waiters
+        result.client_bytes_per_waiter = grown / max(1, result.waiters)
         with _client(ports[0]) as client:
             result.subscriber_connections = sum(
                 1 for c in client.client_list() if int(c.get("sub", 0)) > 0
@@ -702,7 +728,8 @@ def extras_report(slow: SlowNode | None, memory: Memory | None) -> str:
         )
         lines.append(
             f"memory: client per waiting lock (asyncio, tracemalloc, "
-            f"{memory.waiters} waiters on {memory.waiters} resources): "
+            f"{memory.waiters} waiters parked on as many resources, "
+            f"{memory.failed_waiters} failed their first attempt): "
             f"{memory.client_bytes_per_waiter:.0f} B; subscriber connections on "
             f"node 1 for all of them: {memory.subscriber_connections}"
         )

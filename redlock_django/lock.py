@@ -86,6 +86,8 @@ def _note_handoff(config: _Config, outcome: Release, elapsed: float) -> None:
     hands. Waiters are known from the release's subscriber counts, less this
     process's own subscriptions, and from this process's own waiting threads/tasks.
     """
+    if not wake.watching() and not any(outcome.listeners):
+        return  # nobody here or elsewhere was waiting: the common case, no lookups
     spec = config.spec
     channel = spec.key.encode()
     hub = wake.hub(nodes.sync_pools(config.nodes, config.node_timeout))
@@ -260,6 +262,13 @@ def _drop_hold(owner: object, identity: tuple[Any, ...]) -> None:
 @functools.cache
 def _hostname() -> str:
     return socket.gethostname()
+
+
+@functools.lru_cache(maxsize=1024)
+def _meta_head(pid: int, holder: str, ttl: float, label: str) -> str:
+    """The holder metadata JSON without its closing brace and acquisition time."""
+    fields = {"host": _hostname(), "pid": pid, "holder": holder, "ttl": ttl}
+    return json.dumps({**fields, "label": label}, separators=(",", ":"))[:-1]
 
 
 class _Watchdog:
@@ -548,17 +557,11 @@ class Redlock:
         return None if timeout < 0 else float(timeout)
 
     def _meta(self, config: _Config, holder: str) -> str:
-        return json.dumps(
-            {
-                "host": _hostname(),
-                "pid": os.getpid(),
-                "holder": holder,
-                "acquired_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
-                "ttl": config.spec.ttl,
-                "label": self.label,
-            },
-            separators=(",", ":"),
-        )
+        # The same JSON object as json.dumps of all six fields, with the fixed
+        # part encoded once per (pid, holder, ttl, label): only the time changes.
+        head = _meta_head(os.getpid(), holder, config.spec.ttl, self.label)
+        now = datetime.now(UTC).isoformat(timespec="milliseconds")
+        return f'{head},"acquired_at":"{now}"}}'
 
     def _reenter(self, hold: _Hold) -> None:
         lease = hold.lease

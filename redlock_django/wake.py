@@ -227,8 +227,11 @@ class Hub:
 
     def watch(self, watch: _Watch) -> _Watch:
         """Start delivering wake-ups for ``watch.channel`` to ``watch``."""
+        global _watching
         channel = watch.channel
         with self._lock:
+            with _watching_lock:
+                _watching += 1
             self._watches.setdefault(channel, set()).add(watch)
             self._idle.pop(channel, None)
             if self._closed:
@@ -249,10 +252,13 @@ class Hub:
 
     def unwatch(self, watch: _Watch) -> None:
         """Stop waking ``watch``; its channel lingers subscribed for a while."""
+        global _watching
         with self._lock:
             watches = self._watches.get(watch.channel)
-            if watches is None:
+            if watches is None or watch not in watches:
                 return
+            with _watching_lock:
+                _watching -= 1
             watches.discard(watch)
             if not watches:
                 del self._watches[watch.channel]
@@ -307,6 +313,17 @@ class Hub:
             watches = list(self._watches.get(channel, ()))
         for watch in watches:
             watch.fire()
+
+
+#: Waiters of this process, on every hub: releases skip their hand-off checks
+#: when it is 0 and nobody elsewhere heard them (lock.py).
+_watching = 0
+_watching_lock = threading.Lock()
+
+
+def watching() -> int:
+    """How many waiters of this process are watching a channel right now."""
+    return _watching
 
 
 _hubs: dict[tuple[int, int], Hub] = {}
