@@ -249,12 +249,16 @@ def _error(
     )
 
 
-def _cleanup(spec: LockSpec, token: str, attempt: int) -> Fanout:
-    """Undo a failed attempt on every node; it wakes waiters like a release."""
+def _cleanup(
+    spec: LockSpec, token: str, attempt: int, nodes: tuple[int, ...] | None = None
+) -> Fanout:
+    """Undo a failed attempt on ``nodes`` (all by default); it wakes waiters like a
+    release."""
     return Fanout(
         RELEASE_SCRIPT,
         (spec.key,),
         (token, release_id(token, attempt)),
+        nodes=nodes,
         critical=True,
     )
 
@@ -328,9 +332,16 @@ def acquire_flow(
                 token, start, valid_until, won, fencing_token, attempt, wakeups
             )
 
-        # Failed attempt: unlock every node, even those that seemed not to answer
-        # (the SET may have landed and only its reply been lost).
-        yield _cleanup(spec, token, attempt)
+        # Failed attempt: unlock every node that may hold our key: those that
+        # granted, and those that did not answer (the write may have landed and
+        # only its reply been lost). A node that answered "held by another" (-1)
+        # wrote nothing, so under plain contention a failed try costs one round
+        # trip, not two.
+        suspect = tuple(
+            i for i, r in zip(every, replies, strict=True) if r.value != -1 or not r.ok
+        )
+        if suspect:
+            yield _cleanup(spec, token, attempt, suspect)
         if len(failed) > spec.node_count - spec.quorum:
             raise _error(
                 QuorumUnavailableError,

@@ -125,7 +125,7 @@ def test_acquire_sends_token_lease_in_ms_and_metadata() -> None:
     assert seen[0].args == ("tok", 2500, '{"a":1}')
 
 
-def test_failed_attempt_releases_every_node_then_retries_after_jittered_delay() -> None:
+def test_failed_attempt_releases_its_nodes_then_retries_after_jittered_delay() -> None:
     clock = FakeClock()
     attempts: list[Any] = []
 
@@ -143,7 +143,8 @@ def test_failed_attempt_releases_every_node_then_retries_after_jittered_delay() 
     kinds = [type(s).__name__ if isinstance(s, Sleep) else s.script.name for s in steps]
     assert kinds == ["acquire", "release", "Sleep", "acquire"]
     cleanup = steps[1]
-    assert cleanup.nodes is None and cleanup.critical
+    # Nodes 0 and 1 granted; 2-4 answered "held by another" and wrote nothing.
+    assert cleanup.nodes == (0, 1) and cleanup.critical
     # The clean-up names its attempt in the wake-up it publishes, never the token.
     assert cleanup.args == ("tok", release_id("tok", 1))
     assert steps[2].seconds == pytest.approx(0.1 + 0.25 * 0.2)
@@ -246,7 +247,30 @@ def test_non_blocking_acquire_makes_exactly_one_attempt() -> None:
 
     with pytest.raises(LockContentionError):
         drive(acquire_flow(spec(3), "tok", "{}", 0, clock, lambda: 0), respond, clock)
+    # Every node said "held by another": nothing of ours to clean up.
+    assert [s.script for s in steps] == [ACQUIRE_SCRIPT]
+
+
+def test_failed_attempt_cleans_up_only_nodes_that_granted_or_did_not_answer() -> None:
+    clock = FakeClock()
+    steps: list[Any] = []
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        steps.append(step)
+        if step.script is ACQUIRE_SCRIPT:
+            return [
+                NodeReply(0),
+                NodeReply(-1),
+                NodeReply(error="timed out"),
+                NodeReply(-1),
+                NodeReply(-1),
+            ]
+        return ok(1, 0)
+
+    with pytest.raises(LockContentionError):
+        drive(acquire_flow(spec(), "tok", "{}", 0, clock, lambda: 0), respond, clock)
     assert [s.script for s in steps] == [ACQUIRE_SCRIPT, RELEASE_SCRIPT]
+    assert steps[1].nodes == (0, 2) and steps[1].critical
 
 
 def test_unlimited_wait_keeps_retrying() -> None:
