@@ -17,6 +17,7 @@ Timeline of one acquisition attempt (spec: redis.io "Distributed Locks with Redi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -128,7 +129,7 @@ class LockSpec:
     def node_count(self) -> int:
         return len(self.node_names)
 
-    @property
+    @functools.cached_property
     def quorum(self) -> int:
         return quorum(self.node_count)
 

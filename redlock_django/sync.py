@@ -20,6 +20,11 @@ from typing import Any, TypeVar
 import redis
 from redis.exceptions import NoScriptError
 
+try:
+    import hiredis as _hiredis
+except ImportError:  # pragma: no cover - redis-py without hiredis
+    _hiredis = None  # type: ignore[assignment]
+
 try:  # redis-py's hiredis parser, read directly by _read() when it is in use
     from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
     from redis._parsers.hiredis import _HiredisParser
@@ -82,6 +87,21 @@ def _give(idle: _Idle, conn: Any) -> None:
         conn.disconnect()
 
 
+def _pack(conn: Any, command: tuple[Any, ...]) -> Any:
+    """Encode ``command`` as RESP once for every node of a fan-out.
+
+    Our commands are a name then str/int arguments, so hiredis can take them as
+    they are, without redis-py's per-argument checks; otherwise the connection
+    packs them.
+    """
+    if _hiredis is not None:
+        try:
+            return [_hiredis.pack_command(command)]
+        except TypeError:
+            pass
+    return conn.pack_command(*command)
+
+
 def _is_tls(conn: Any) -> bool:
     return isinstance(conn, redis.SSLConnection)
 
@@ -103,12 +123,18 @@ def _read(conn: Any, timeout: float) -> Any:
         return conn.read_response(timeout=timeout)
     reply = reader.gets()
     while reply is _NOT_ENOUGH_DATA:
-        # Readable, so the first recv returns at once; a reply split across
-        # packets waits at most the socket timeout (NODE_TIMEOUT) for the rest.
+        # The socket is readable: one read(2) on its (non-blocking) descriptor,
+        # where sock.recv() would poll once more first. A reply split across
+        # packets waits for the rest with recv(), at most the socket timeout.
         try:
-            data = sock.recv(65536)
-        except TimeoutError:
-            raise redis.TimeoutError("Timeout reading from socket") from None
+            data = os.read(sock.fileno(), 65536)
+        except BlockingIOError:
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                raise redis.TimeoutError("Timeout reading from socket") from None
+            except OSError as exc:
+                raise redis.ConnectionError(f"Error while reading: {exc}") from None
         except OSError as exc:
             raise redis.ConnectionError(f"Error while reading: {exc}") from None
         if not data:
@@ -144,7 +170,7 @@ def fanout(
     for i in targets:
         idle, conn, reused = _take(pools[i])
         if packed is None:  # every connection packs alike: pack once
-            packed = conn.pack_command(*command)
+            packed = _pack(conn, command)
         try:
             conn.send_packed_command(packed, check_health=False)
         except Exception as exc:
