@@ -69,10 +69,10 @@ _idle: weakref.WeakKeyDictionary[redis.ConnectionPool, _Idle] = (
 )
 
 
-def _take(pool: redis.ConnectionPool) -> tuple[_Idle, Any, bool]:
+def _take(pool: redis.ConnectionPool, pid: int) -> tuple[_Idle, Any, bool]:
     """Return an idle connection (reused True) or a new, unconnected one."""
     idle = _idle.get(pool)
-    if idle is None or idle.pid != os.getpid():
+    if idle is None or idle.pid != pid:
         idle = _idle[pool] = _Idle()
     try:
         return idle, idle.conns.pop(), True
@@ -100,6 +100,21 @@ def _pack(conn: Any, command: tuple[Any, ...]) -> Any:
         except TypeError:
             pass
     return conn.pack_command(*command)
+
+
+def _send(conn: Any, packed: list[bytes]) -> None:
+    """Write a packed command; a new connection connects (and authenticates) first."""
+    sock = conn._sock
+    if sock is None or len(packed) != 1:
+        conn.send_packed_command(packed, check_health=False)
+        return
+    try:
+        sock.sendall(packed[0])
+    except OSError as exc:
+        conn.disconnect()
+        if isinstance(exc, TimeoutError):
+            raise redis.TimeoutError("Timeout writing to socket") from None
+        raise redis.ConnectionError(f"Error while writing: {exc}") from None
 
 
 def _is_tls(conn: Any) -> bool:
@@ -167,12 +182,13 @@ def fanout(
     # [node, its idle deque, connection, may retry on a new connection, NOSCRIPT
     # already answered by resending the source]
     queue: list[tuple[int, _Idle, Any, bool, bool]] = []
+    pid = os.getpid()
     for i in targets:
-        idle, conn, reused = _take(pools[i])
+        idle, conn, reused = _take(pools[i], pid)
         if packed is None:  # every connection packs alike: pack once
             packed = _pack(conn, command)
         try:
-            conn.send_packed_command(packed, check_health=False)
+            _send(conn, packed)
         except Exception as exc:
             conn.disconnect()
             if not reused:
