@@ -21,7 +21,7 @@ import functools
 import hashlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .exceptions import (
     LockContentionError,
@@ -47,9 +47,11 @@ Clock = Callable[[], float]
 Random = Callable[[], float]
 
 
-@dataclass(frozen=True)
-class NodeReply:
-    """One node's answer to a script: its value, or why it gave none."""
+class NodeReply(NamedTuple):
+    """One node's answer to a script: its value, or why it gave none.
+
+    A named tuple: drivers make one per node per fan-out, the hottest allocation.
+    """
 
     value: Any = None
     error: str | None = None

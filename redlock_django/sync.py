@@ -181,7 +181,11 @@ def fanout(
     packed: Any = None
     # [node, its idle deque, connection, may retry on a new connection, NOSCRIPT
     # already answered by resending the source]
-    queue: list[tuple[int, _Idle, Any, bool, bool]] = []
+    # fd -> [node, its idle deque, connection, may retry on a new connection,
+    # NOSCRIPT already answered by resending the source]
+    waiting: dict[int, list[Any]] = {}
+    poller = select.poll()
+    any_tls = False
     pid = os.getpid()
     for i in targets:
         idle, conn, reused = _take(pools[i], pid)
@@ -204,24 +208,21 @@ def fanout(
                 replies[i] = NodeReply(error=describe(exc))
                 continue
             reused = False
-        queue.append((i, idle, conn, reused, False))
+        fd = conn._sock.fileno()
+        poller.register(fd, select.POLLIN)
+        waiting[fd] = [i, idle, conn, reused, False]
+        any_tls = any_tls or _is_tls(conn)
     # Read the replies as they arrive (a slow node first in the list must not
     # hold up the rest), until every node answered, the deadline passed, or the
     # step's outcome is known (``need`` winning replies). A node that answers
     # NOSCRIPT (restarted, or SCRIPT FLUSH) gets the source once and is read again.
-    poller = select.poll()
-    waiting: dict[int, list[Any]] = {}
-    for sent in queue:
-        fd = sent[2]._sock.fileno()
-        poller.register(fd, select.POLLIN)
-        waiting[fd] = list(sent)
     wins = 0
     why = "timed out"
     final = False
-    any_tls = any(_is_tls(item[2]) for item in waiting.values())
+    need, winning = step.need, step.wins
     try:
         while waiting:
-            if step.need and wins >= step.need and why != UNAWAITED:
+            if need and wins >= need and why != UNAWAITED:
                 # Known outcome: healthy nodes answer within a few round trips of
                 # each other; only a slow or hung node is left behind (and its
                 # connection dropped, which costs a reconnect).
@@ -291,7 +292,7 @@ def fanout(
                 else:
                     replies[i] = NodeReply(value)
                     _give(idle, conn)
-                    if step.wins is not None and step.wins(value):
+                    if winning is not None and winning(value):
                         wins += 1
                     continue
                 fd = item[2]._sock.fileno()
