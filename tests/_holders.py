@@ -7,6 +7,12 @@ pytest) with the node URLs it is given, then plays one part:
   line ``{"event": "held", "started": <monotonic>, "valid_until": <monotonic>}``
   and keep holding until killed. CLOCK_MONOTONIC is system-wide on Linux, so the
   parent can compare these times with its own.
+- ``staged``: acquire once and freeze itself (SIGSTOP) at the named point given
+  by ``--stop-at``: ``after-send`` (the acquire written to every node, replies not
+  yet read), ``after-validity`` (granted, validity checked), ``before-write``
+  (granted, about to write ``--storage-key`` on the first node with its fencing
+  token, or plainly with ``--unfenced``). It prints ``{"event": "stopped", ...}``
+  just before freezing, and one result line once the parent resumed it (SIGCONT).
 - ``clockjump``: run under libfaketime with a ``FAKETIME_TIMESTAMP_FILE`` that this
   process rewrites itself (``+3600``, ``-3600``) while it holds or waits for locks,
   and print one JSON line with what it measured: the wall-clock jumps, and the
@@ -21,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -32,7 +39,12 @@ from typing import Any
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tests._holders")
-    parser.add_argument("part", choices=("hold", "clockjump"))
+    parser.add_argument("part", choices=("hold", "staged", "clockjump"))
+    parser.add_argument(
+        "--stop-at", choices=("after-send", "after-validity", "before-write")
+    )
+    parser.add_argument("--storage-key", default="storage")
+    parser.add_argument("--unfenced", action="store_true")
     parser.add_argument("--nodes", required=True, help="comma-separated Redis URLs")
     parser.add_argument("--resource", default="held")
     parser.add_argument("--ttl", type=float, default=1.0)
@@ -87,6 +99,82 @@ def hold(args: argparse.Namespace) -> None:
         }
     )
     threading.Event().wait()
+
+
+def freeze(point: str, **details: Any) -> None:
+    """Announce the stop point, then stop this process until SIGCONT."""
+    say({"event": "stopped", "at": point, "time": time.monotonic(), **details})
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+# A fenced write: the storage keeps the highest fencing token it accepted and
+# refuses a write that carries a lower one (what FencingTokenField does in SQL).
+FENCED_WRITE = """
+local seen = tonumber(redis.call('hget', KEYS[1], 'token') or '0')
+if tonumber(ARGV[1]) < seen then
+  return 0
+end
+redis.call('hset', KEYS[1], 'token', ARGV[1], 'value', ARGV[2])
+return 1
+"""
+
+
+def staged(args: argparse.Namespace) -> None:
+    """Acquire, freezing at ``args.stop_at``; see the module docstring."""
+    import redis
+
+    from redlock_django import LockError, Redlock, sync
+    from redlock_django.scripts import ACQUIRE_SCRIPT
+
+    urls = args.nodes.split(",")
+
+    lock = Redlock(args.resource, ttl=args.ttl, fencing=not args.unfenced)
+    if args.stop_at == "after-send":
+        # Freeze between the acquire's last write and its first read: the nodes
+        # grant while this process is stopped, and their replies wait for it.
+        nodes = len(urls)
+        real_send = sync._send
+        sent: list[bytes] = []
+
+        def send(conn: Any, packed: list[bytes]) -> None:
+            real_send(conn, packed)
+            if ACQUIRE_SCRIPT.sha.encode() in b"".join(packed):
+                sent.append(b"")
+                if len(sent) == nodes:
+                    freeze("after-send")
+
+        sync._send = send  # type: ignore[assignment]
+    started = time.monotonic()
+    try:
+        acquired = lock.acquire(blocking=False)
+    except LockError as exc:
+        say({"event": "result", "acquired": False, "error": type(exc).__name__})
+        return
+    result: dict[str, Any] = {"event": "result", "acquired": acquired}
+    if acquired and args.stop_at == "after-validity":
+        valid_until = time.monotonic() + lock.validity
+        freeze("after-validity", started=started, valid_until=valid_until)
+    if acquired and args.stop_at == "before-write":
+        freeze("before-write", fencing_token=lock.fencing_token)
+        with redis.Redis.from_url(urls[0]) as client:
+            if args.unfenced:
+                client.hset(args.storage_key, mapping={"value": "stale"})
+                result["written"] = True
+            else:
+                result["written"] = bool(
+                    client.eval(
+                        FENCED_WRITE, 1, args.storage_key, lock.fencing_token, "stale"
+                    )
+                )
+    if acquired:
+        result["owned"] = lock.owned()
+        result["lost"] = lock.lost
+        try:
+            lock.release()
+            result["release"] = "ok"
+        except LockError as exc:
+            result["release"] = type(exc).__name__
+    say(result)
 
 
 def clockjump(args: argparse.Namespace) -> None:
@@ -220,6 +308,8 @@ def main(argv: Sequence[str]) -> int:
     setup_django(args.nodes.split(","), wake_ups=args.part != "clockjump")
     if args.part == "hold":
         hold(args)
+    elif args.part == "staged":
+        staged(args)
     else:
         clockjump(args)
     return 0
