@@ -756,3 +756,39 @@ async def test_async_next_acquire_recovers_connections_broken_by_node_restarts(
     with pytest.raises(LockLostError):  # its keys died with the 3 restarts
         await first.arelease()
     assert holders(nodes, key) == [None] * len(nodes)
+
+
+# --- CLIENT PAUSE: the server stops serving clients, the process keeps running ------
+
+
+@pytest.mark.parametrize("paused", [2, 3])
+def test_client_pause_on_a_minority_is_tolerated_and_on_a_majority_fails_fast(
+    nodes: NodeSet, fast_fail: dict[str, Any], resource: str, paused: int
+) -> None:
+    """CLIENT PAUSE (Redis's own fault, unlike SIGSTOP the server still accepts
+    connections): two of five paused, the lock is granted and released by the
+    three others; three paused, the attempt fails at once with the quorum error."""
+    key = lock_key(resource)
+    pause_ms = 1000
+    for node in nodes[-paused:]:
+        with node.client() as client:
+            client.execute_command("CLIENT", "PAUSE", pause_ms, "ALL")
+    began = time.monotonic()
+    lock = Redlock(resource)
+    try:
+        if paused == 2:
+            assert lock.acquire(timeout=0)
+            assert holders(nodes[:3], key) == [holders(nodes[:1], key)[0]] * 3
+            lock.release()
+            assert holders(nodes[:3], key) == [None] * 3
+        else:
+            with pytest.raises(QuorumUnavailableError) as caught:
+                lock.acquire(timeout=0)
+            assert caught.value.granted <= 2
+            assert holders(nodes[:2], key) == [None] * 2
+        # Bounded by the node timeout, far below the 1 s pause.
+        assert time.monotonic() - began < 0.8
+    finally:
+        # A paused server also holds back CLIENT UNPAUSE from a new connection
+        # (its handshake is paused too): let the pause run out instead.
+        time.sleep(max(0.0, began + pause_ms / 1000 + 0.05 - time.monotonic()))
