@@ -44,6 +44,11 @@ T = TypeVar("T")
 _MIN_WAIT = 0.0001
 #: Least time given to the other nodes once a quorum decided a fan-out.
 _GRACE = 0.001
+#: After connecting to a node timed out, seconds during which fan-outs do not try
+#: again (the node just counts as failed). A frozen server whose listen backlog is
+#: full, or a partitioned host, would otherwise cost every fan-out a whole
+#: NODE_TIMEOUT in connect(), before any other node's reply is read.
+STALL_HOLD = 1.0
 #: Idle connections kept per node; more (a burst of threads) are closed on return.
 MAX_IDLE = 32
 
@@ -57,11 +62,13 @@ class _Idle:
     enough; a forked child starts with an empty one.
     """
 
-    __slots__ = ("conns", "pid")
+    __slots__ = ("conns", "pid", "stalled_at")
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.conns: collections.deque[Any] = collections.deque()
+        #: When a new connection to this node last timed out while connecting.
+        self.stalled_at = -math.inf
 
 
 _idle: weakref.WeakKeyDictionary[redis.ConnectionPool, _Idle] = (
@@ -78,6 +85,12 @@ def _take(pool: redis.ConnectionPool, pid: int) -> tuple[_Idle, Any, bool]:
         return idle, idle.conns.pop(), True
     except IndexError:
         return idle, pool.connection_class(**pool.connection_kwargs), False
+
+
+def _stalled(idle: _Idle, exc: BaseException) -> None:
+    """Note a new connection that timed out (connecting: it had sent nothing)."""
+    if isinstance(exc, redis.TimeoutError | TimeoutError):
+        idle.stalled_at = time.monotonic()
 
 
 def _give(idle: _Idle, conn: Any) -> None:
@@ -189,6 +202,12 @@ def fanout(
     pid = os.getpid()
     for i in targets:
         idle, conn, reused = _take(pools[i], pid)
+        if not reused and began - idle.stalled_at < STALL_HOLD:
+            ago = began - idle.stalled_at
+            replies[i] = NodeReply(
+                error=f"skipped: connecting timed out {ago:.2f}s ago"
+            )
+            continue
         if packed is None:  # every connection packs alike: pack once
             packed = _pack(conn, command)
         try:
@@ -196,6 +215,7 @@ def fanout(
         except Exception as exc:
             conn.disconnect()
             if not reused:
+                _stalled(idle, exc)
                 replies[i] = NodeReply(error=describe(exc))
                 continue
             # An idle connection the server closed (a restart) is only found out
@@ -205,6 +225,7 @@ def fanout(
                 conn.send_packed_command(packed, check_health=False)
             except Exception as exc:
                 conn.disconnect()
+                _stalled(idle, exc)
                 replies[i] = NodeReply(error=describe(exc))
                 continue
             reused = False
