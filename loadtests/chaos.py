@@ -64,8 +64,8 @@ from loadtests.demo import (
     get_json,
     log_tail,
     run_manage,
+    run_to_the_end,
     seed,
-    signals_as_interrupt,
 )
 
 # Answers of the buy view that a sale under faults expects: not failures.
@@ -888,29 +888,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    chaos = Chaos(args)
-    started = time.monotonic()
-    try:
-        with signals_as_interrupt():
-            try:
-                code = chaos.run()
-            finally:
-                stoppers = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-                previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stoppers}
-                try:
-                    chaos.close()
-                finally:
-                    for sig, old in previous.items():
-                        signal.signal(sig, old)
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopped every process the chaos run started", flush=True)
-        return 130
-    except DemoError as exc:
-        print(f"\nCHAOS RUN FAILED: {exc}", file=sys.stderr, flush=True)
-        return 1
-    print(f"({time.monotonic() - started:.0f} s in total)")
-    return code
+    return run_to_the_end(Chaos(parse_args(argv)), "chaos run")
 
 
 if __name__ == "__main__":

@@ -536,31 +536,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    demo = Demo(args)
+def run_to_the_end(job: Any, what: str) -> int:
+    """Run ``job`` (its ``run()`` gives the exit code) and always ``close()`` it.
+
+    Ctrl-C or SIGTERM stops the run (exit 130), a ``DemoError`` fails it (exit 1);
+    either way every process it started is stopped first.
+    """
     started = time.monotonic()
     try:
         with signals_as_interrupt():
             try:
-                code = demo.run()
+                code = int(job.run())
             finally:
                 # Cleanup must not be cut short by a second Ctrl-C or a SIGTERM.
                 stoppers = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                 previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stoppers}
                 try:
-                    demo.close()
+                    job.close()
                 finally:
                     for sig, old in previous.items():
                         signal.signal(sig, old)
     except KeyboardInterrupt:
-        print("\ninterrupted: stopped every process the demo started", flush=True)
+        print(f"\ninterrupted: stopped every process the {what} started", flush=True)
         return 130
     except DemoError as exc:
-        print(f"\nDEMO FAILED: {exc}", file=sys.stderr, flush=True)
+        print(f"\n{what.upper()} FAILED: {exc}", file=sys.stderr, flush=True)
         return 1
     print(f"({time.monotonic() - started:.0f} s in total)")
     return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_to_the_end(Demo(parse_args(argv)), "demo")
 
 
 if __name__ == "__main__":

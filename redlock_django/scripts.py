@@ -5,9 +5,8 @@ A lock is one hash per node, so its holder metadata lives and dies with it:
 and ``fence`` (the fencing token, when one was asked for). Every script declares all
 the keys it touches in KEYS, so ACL key patterns apply to them.
 
-The owner is read with ``pcall`` so that a key of another type (WRONGTYPE: not
-ours) counts as held by someone else; any other error (an ACL NOPERM, say) is
-returned as the error reply it is, so the node reports why instead of seeming busy.
+Every script reads the owner the same way (``_READ_OWNER``): a key of another
+type counts as held by someone else, an ACL error is returned as the error it is.
 """
 
 from __future__ import annotations
@@ -38,6 +37,21 @@ class Script:
         object.__setattr__(self, "sha", digest)
 
 
+# The owner check every script starts with (Lua scripts cannot share functions
+# under EVAL, so the source is shared here): ``owner`` is the token on the lock, or
+# false when there is no lock; a key of another type (WRONGTYPE: not ours) reads as
+# a foreign owner that no token equals; any other error (an ACL NOPERM, say) is
+# returned as the error reply it is, so the node reports why instead of seeming busy.
+_READ_OWNER = """
+local owner = redis.pcall('hget', KEYS[1], 'token')
+if type(owner) == 'table' then
+  if string.sub(owner.err or '', 1, 9) ~= 'WRONGTYPE' then
+    return owner
+  end
+  owner = ' foreign value'
+end
+"""
+
 # KEYS[1] lock key; KEYS[2] (optional) fencing counter key
 # ARGV[1] token; ARGV[2] lease in ms; ARGV[3] holder metadata (JSON)
 # returns -1 when another token (or a foreign value) holds the key; otherwise grants
@@ -54,13 +68,9 @@ if KEYS[2] then
     return redis.error_reply('fencing counter ' .. KEYS[2] .. ' is not a number')
   end
 end
-local owner = redis.pcall('hget', KEYS[1], 'token')
-if type(owner) == 'table' then
-  if string.sub(owner.err or '', 1, 9) ~= 'WRONGTYPE' then
-    return owner
-  end
-  return -1
-end
+"""
+    + _READ_OWNER
+    + """
 if owner and owner ~= ARGV[1] then
   return -1
 end
@@ -79,10 +89,9 @@ return fence
 RELEASE_SCRIPT = Script(
     "release",
     """
-local owner = redis.pcall('hget', KEYS[1], 'token')
-if type(owner) == 'table' and string.sub(owner.err or '', 1, 9) ~= 'WRONGTYPE' then
-  return owner
-end
+"""
+    + _READ_OWNER
+    + """
 if owner ~= ARGV[1] then
   return 0
 end
@@ -104,10 +113,9 @@ return deleted
 EXTEND_SCRIPT = Script(
     "extend",
     """
-local owner = redis.pcall('hget', KEYS[1], 'token')
-if type(owner) == 'table' and string.sub(owner.err or '', 1, 9) ~= 'WRONGTYPE' then
-  return owner
-end
+"""
+    + _READ_OWNER
+    + """
 if owner == ARGV[1] then
   return redis.call('pexpire', KEYS[1], ARGV[2])
 end
@@ -122,10 +130,9 @@ return 0
 FENCE_SCRIPT = Script(
     "fence",
     """
-local owner = redis.pcall('hget', KEYS[1], 'token')
-if type(owner) == 'table' and string.sub(owner.err or '', 1, 9) ~= 'WRONGTYPE' then
-  return owner
-end
+"""
+    + _READ_OWNER
+    + """
 if owner ~= ARGV[1] then
   return 0
 end

@@ -1,9 +1,11 @@
 """The blocking driver: runs protocol flows with redis-py connections.
 
 A fan-out writes the command to every node before it reads any reply, so N nodes
-cost about one round trip and no thread. Each reply is read against one deadline,
-NODE_TIMEOUT after the fan-out began: a hung node costs that much and no more, and
-its connection is dropped rather than returned to the pool with a reply still due.
+cost about one round trip and no thread. Replies are read as they arrive, against
+one deadline NODE_TIMEOUT after the fan-out began, and once a quorum has decided
+the step the other nodes get only a short grace: a hung node costs at most that
+much. A connection with a reply still due is dropped, never reused; a node whose
+connect() timed out is not connected to again for ``STALL_HOLD``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import select
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 from redis.exceptions import NoScriptError
@@ -37,8 +39,6 @@ from .protocol import UNAWAITED, Fanout, NodeReply, Sleep, Step
 from .wake import Hub, SyncWatch
 
 __all__ = ["fanout", "run"]
-
-T = TypeVar("T")
 
 #: The shortest read timeout: a zero timeout would make the socket non-blocking.
 _MIN_WAIT = 0.0001
@@ -192,8 +192,6 @@ def fanout(
     # after a NOSCRIPT. Redis caches the script either way.
     command = _command(step, by_sha=not step.critical)
     packed: Any = None
-    # [node, its idle deque, connection, may retry on a new connection, NOSCRIPT
-    # already answered by resending the source]
     # fd -> [node, its idle deque, connection, may retry on a new connection,
     # NOSCRIPT already answered by resending the source]
     waiting: dict[int, list[Any]] = {}

@@ -185,8 +185,6 @@ class _Reader(threading.Thread):
             self.hub.confirmed(channel)
         elif kind == b"unsubscribe":
             self.subscribed.discard(channel)
-        elif kind == b"error" or isinstance(reply, Exception):
-            self._warn(str(reply))
 
     def run(self) -> None:
         try:
@@ -204,6 +202,9 @@ class _Reader(threading.Thread):
                     self._drop()
                     self._pause.wait(RECONNECT)
         finally:
+            # However it ended (even by an unexpected error), the node's slot is
+            # freed: a dead reader must not leave its node without wake-ups.
+            self.hub.forget(self)
             self._drop()
 
 
@@ -249,6 +250,17 @@ class Hub:
         for reader in started:
             reader.start()
         return watch
+
+    def idle(self) -> bool:
+        """Whether nothing is watched and no reader runs: nothing worth keeping."""
+        with self._lock:
+            return not self._watches and not any(self._readers)
+
+    def forget(self, reader: _Reader) -> None:
+        """Free the slot of a reader that ended, so the next waiter starts another."""
+        with self._lock:
+            if self._readers[reader.index] is reader:
+                self._readers[reader.index] = None
 
     def unwatch(self, watch: _Watch) -> None:
         """Stop waking ``watch``; its channel lingers subscribed for a while."""
@@ -339,7 +351,9 @@ def hub(pools: Sequence[redis.ConnectionPool]) -> Hub:
             found = _hubs.get(key)
             if found is None or found.pools != tuple(pools):
                 if len(_hubs) > 64:  # pools replaced by settings changes, or forks
-                    _hubs.clear()
+                    for stale, old in list(_hubs.items()):
+                        if old.idle():
+                            del _hubs[stale]
                 found = _hubs[key] = Hub(pools)
     return found
 

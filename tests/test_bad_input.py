@@ -99,6 +99,9 @@ CASES = [
     setting("MAX_HOLD", 0, r"redlock\.E009: REDLOCK\['MAX_HOLD'\] is 0"),
     setting("MAX_HOLD", 5.0, r"redlock\.E009: .* less than TTL"),
     setting("AUTO_EXTEND", "yes", r"redlock\.E011: .* not a bool"),
+    setting(
+        "WAKE_UPS", "yes", r"redlock\.E011: REDLOCK\['WAKE_UPS'\] is 'yes', not a bool"
+    ),
     setting("KEY_PREFIX", "", r"redlock\.E010: .* is empty"),
     setting("KEY_PREFIX", "lock*", r"redlock\.E010: .* pattern character"),
     setting("KEY_PREFIX", "my lock", r"redlock\.E010: .* whitespace"),
