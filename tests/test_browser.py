@@ -36,13 +36,26 @@ CHROMIUM_FLAGS = (
 
 def wait_for_heading(browser: Any, text: str) -> None:
     """Wait until the page's h1 contains ``text`` (the navigation has landed)."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.wait import WebDriverWait
 
-    WebDriverWait(browser, 10).until(
-        expected_conditions.text_to_be_present_in_element((By.TAG_NAME, "h1"), text)
+    landed = expected_conditions.text_to_be_present_in_element(
+        (By.TAG_NAME, "h1"), text
     )
+
+    def check(driver: Any) -> bool:
+        try:
+            return bool(landed(driver))
+        except WebDriverException as exc:
+            # Mid-navigation, Chromium 156 may report the old page's h1 this way
+            # instead of as a stale element: the page has not landed yet.
+            if "does not belong to the document" in str(exc):
+                return False
+            raise
+
+    WebDriverWait(browser, 10).until(check)
 
 
 def _browser_or_skip() -> tuple[str, str]:
