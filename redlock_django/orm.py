@@ -3,29 +3,51 @@
 ``model_lock(product)`` is a ``Redlock`` whose resource is derived from the row:
 ``"shop.product:42"``, so every code path that locks a row agrees on its name.
 
-``fenced_update(product, lock, stock=F("stock") - 1)`` is the database half of
-fencing (Kleppmann): one ``UPDATE ... SET stock = ..., fence = :token WHERE pk = 42
-AND fence < :token``. A holder whose lease ran out while it was paused, and whose
-lock a newer holder has taken since, carries an older token: its write matches no
-row, and the newer holder's data stays. The function reports it (``False``, or
-``StaleFencingTokenError`` with ``raise_on_stale=True``). No local validity check
-is made first: the pause can fall between such a check and the write, and a
-holder whose lease ran out while nobody else took the lock still writes safely.
-The model keeps the token of the last write in a ``FencingTokenField``::
+``fenced_update(product, lock, stock=product.stock - 1)`` is the database half
+of fencing (Kleppmann), and a compare-and-set on what was read: one ``UPDATE ...
+SET stock = ..., fence = :token WHERE pk = 42 AND fence = :read AND fence <
+:token``, where ``:read`` is the token the instance was loaded with, in the same
+query as its stock. The model keeps the token of the last write in a
+``FencingTokenField``::
 
     class Product(models.Model):
         stock = models.IntegerField()
         fence = FencingTokenField()
 
     with model_lock(product, fencing=True) as lock:
-        product.refresh_from_db()
+        product.refresh_from_db()  # the stock and its fence, in one query
         if not fenced_update(product, lock, stock=product.stock - 1):
-            ...  # refused: a newer holder wrote this row
+            ...  # refused: the row was written since it was read
+
+The write lands only if no fenced write reached the row since the instance was
+read, and the lock's token is newer than the row's. A holder paused past its
+lease (GC, swap, SIGSTOP) cannot undo or repeat what its successor did: if the
+successor wrote first, the old token is refused; if the successor has only read,
+the first of the two to write lands and the other one's read no longer matches.
+Either way one read-modify-write lands per read, so the last unit sells once.
+The refused write reports it (``False``, or ``StaleFencingTokenError`` with
+``raise_on_stale=True``); read again under a lock to retry. No local validity
+check is made first: the pause can fall between such a check and the write, and
+a holder whose lease ran out while nobody else touched the row still writes
+safely.
+
+What is compared is the instance's token field as loaded (a query,
+``refresh_from_db()``, ``save()``, or this function's last write). An instance
+read before the lock was taken is compared too, and refused if the row changed
+since. One loaded without its token field (``only()``, ``defer()``) raises
+``FieldError``: there is no read to compare with. ``Model(pk=...)`` never read
+carries the field's default, so it writes only a row no fenced write has reached.
+A queryset write compares only the token (``fence < :token``): a blind write,
+right for ``F()`` expressions that depend on no read; to compare with a read,
+filter on its token, ``Product.objects.filter(pk=42, fence=seen)``.
 
 Tokens are ordered only within one resource: every fenced writer of a row must
 take its token from locks on the same resource (``model_lock`` of that row, or
 one coarser lock used everywhere). Each token writes a row at most once, so put
 every field of one change in one call; a replay of the same write is refused.
+Writes that bypass ``fenced_update`` (``update()``, ``save()`` of other fields)
+leave the token as it is, unseen by the comparison: write fenced fields only
+through it.
 
 Errors::
 
@@ -33,13 +55,18 @@ Errors::
                                             without fencing=True, or not held by
                                             the current owner
     StaleFencingTokenError (LockError)      raise_on_stale=True and the row holds
-                                            a token equal to or newer than the lock's
+                                            a token equal to or newer than the
+                                            lock's, or was written since the
+                                            instance was read
+    FieldError                              no usable token field, the token in
+                                            the updates, or an instance without
+                                            its token loaded
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, overload
 
 from django.core import checks
 from django.core.exceptions import FieldError, ValidationError
@@ -90,19 +117,27 @@ class MissingFencingTokenError(ValueError):
 
 
 class StaleFencingTokenError(LockError):
-    """A fenced write was refused: the row holds the lock's token or a newer one.
+    """A fenced write was refused: the row holds the lock's token or a newer one,
+    or was written since the instance was read.
 
-    The lock's lease ran out while held and a newer holder wrote the row (or this
-    token already wrote it once). ``token`` is the lock's, ``stored_token`` the
-    row's.
+    A lease ran out while held and another holder wrote the row (or this token
+    already wrote it once). ``token`` is the lock's, ``stored_token`` the row's,
+    ``read_token`` the one the instance was read with (None for a queryset).
     """
 
     def __init__(
-        self, message: str, *, resource: str, token: int, stored_token: int
+        self,
+        message: str,
+        *,
+        resource: str,
+        token: int,
+        stored_token: int,
+        read_token: int | None = None,
     ) -> None:
         super().__init__(message, resource=resource)
         self.token = token
         self.stored_token = stored_token
+        self.read_token = read_token
 
 
 if TYPE_CHECKING:
@@ -349,6 +384,18 @@ def _prepare(
     return token, attname, {**updates, attname: token}
 
 
+def _read_token(instance: models.Model, attname: str) -> Any:
+    """Return the token the instance was loaded with: what its write is compared to."""
+    if attname in instance.get_deferred_fields():
+        raise FieldError(
+            f"{instance._meta.label}.{attname} was not loaded with the instance "
+            f"(only()/defer()): fenced_update compares the row's token with the one "
+            f"read with its values; load it (refresh_from_db()) or write through a "
+            f"queryset"
+        )
+    return getattr(instance, attname)
+
+
 def _row_queryset(instance: models.Model) -> models.QuerySet[Any]:
     if instance.pk is None:
         raise ValueError(f"cannot update an unsaved {instance._meta.label} (no pk)")
@@ -372,20 +419,53 @@ def _after_write(instance: models.Model, changes: dict[str, Any]) -> None:
             setattr(instance, key, value)
 
 
+class _InstanceWrite(NamedTuple):
+    """One instance's fenced write, prepared: ``target`` is the row as read."""
+
+    token: int
+    attname: str
+    read: Any
+    changes: dict[str, Any]
+    rows: models.QuerySet[Any]
+    target: models.QuerySet[Any]
+
+
+def _instance_write(
+    instance: models.Model, lock: Redlock, field: str | None, updates: dict[str, Any]
+) -> _InstanceWrite:
+    token, attname, changes = _prepare(type(instance), lock, field, updates)
+    read = _read_token(instance, attname)
+    rows = _row_queryset(instance)
+    target = rows.filter(**{attname: read, f"{attname}__lt": token})
+    return _InstanceWrite(token, attname, read, changes, rows, target)
+
+
 def _refusal(
-    instance: models.Model, lock: Redlock, token: int, stored: int | None
+    instance: models.Model, lock: Redlock, write: _InstanceWrite, stored: int | None
 ) -> StaleFencingTokenError:
+    token, read = write.token, write.read
     if stored is None:
         raise type(instance).DoesNotExist(
             f"{instance._meta.label} with pk {instance.pk!r} does not exist"
         )
+    row = f"{instance._meta.label_lower}:{instance.pk}"
+    if stored >= token:
+        why = (
+            f"its fencing token is {stored}, lock {lock.resource!r} holds {token} "
+            f"(a newer holder wrote it, or this token already did)"
+        )
+    else:
+        why = (
+            f"it was written with fencing token {stored} after this instance was "
+            f"read with token {read}, so the values the write was computed from "
+            f"are stale (lock {lock.resource!r} holds {token}); read it again"
+        )
     return StaleFencingTokenError(
-        f"write to {instance._meta.label_lower}:{instance.pk} refused: its fencing "
-        f"token is {stored}, lock {lock.resource!r} holds {token} "
-        f"(a newer holder wrote it, or this token already did)",
+        f"write to {row} refused: {why}",
         resource=lock.resource,
         token=token,
         stored_token=stored,
+        read_token=read,
     )
 
 
@@ -414,16 +494,20 @@ def fenced_update(
     raise_on_stale: bool = False,
     **updates: Any,
 ) -> bool | int:
-    """Write ``updates`` only where the stored fencing token is older than ``lock``'s.
+    """Write ``updates`` where the stored fencing token is older than ``lock``'s
+    and, for an instance, is still the one the instance was read with.
 
     One ``UPDATE`` sets the fields (values or ``F()`` expressions) and stores the
-    token, ``WHERE <field> < token``. For a model instance, return True when the
-    row was written (the instance then shows the new values and token; ``F()``
-    fields are reloaded on next access) and False when it was refused because
-    the row holds an equal or newer token; ``raise_on_stale=True`` raises
-    ``StaleFencingTokenError`` instead, and a deleted row raises the model's
-    ``DoesNotExist``. For a queryset, return how many rows were written, as
-    ``update()`` does: rows holding an equal or newer token are left alone.
+    token. For a model instance it is ``WHERE <field> = <read> AND <field> <
+    token``, a compare-and-set on the token loaded with the instance: return True
+    when the row was written (the instance then shows the new values and token;
+    ``F()`` fields are reloaded on next access) and False when it was refused
+    because the row holds an equal or newer token or was written since it was
+    read; ``raise_on_stale=True`` raises ``StaleFencingTokenError`` instead, a
+    deleted row raises the model's ``DoesNotExist``, and an instance whose token
+    field was not loaded raises ``FieldError``. For a queryset it is ``WHERE
+    <field> < token``: return how many rows were written, as ``update()`` does
+    (filter on the token read to compare with a read).
 
     ``field`` names the token field when the model has several. Raises
     ``MissingFencingTokenError`` when the lock was made without ``fencing=True``
@@ -437,12 +521,12 @@ def fenced_update(
         return target.filter(**{f"{attname}__lt": token}).update(**changes)
     if not isinstance(target, models.Model):
         raise TypeError(f"expected a model instance or a queryset, not {target!r}")
-    token, attname, changes = _prepare(type(target), lock, field, updates)
-    rows = _row_queryset(target)
-    if rows.filter(**{f"{attname}__lt": token}).update(**changes):
-        _after_write(target, changes)
+    write = _instance_write(target, lock, field, updates)
+    if write.target.update(**write.changes):
+        _after_write(target, write.changes)
         return True
-    error = _refusal(target, lock, token, rows.values_list(attname, flat=True).first())
+    stored = write.rows.values_list(write.attname, flat=True).first()
+    error = _refusal(target, lock, write, stored)
     if raise_on_stale:
         raise error
     return False
@@ -482,13 +566,12 @@ async def afenced_update(
     if not isinstance(target, models.Model):
         raise TypeError(f"expected a model instance or a queryset, not {target!r}")
     # The token is the current task's: read it here, not in a worker thread.
-    token, attname, changes = _prepare(type(target), lock, field, updates)
-    rows = _row_queryset(target)
-    if await rows.filter(**{f"{attname}__lt": token}).aupdate(**changes):
-        _after_write(target, changes)
+    write = _instance_write(target, lock, field, updates)
+    if await write.target.aupdate(**write.changes):
+        _after_write(target, write.changes)
         return True
-    stored = await rows.values_list(attname, flat=True).afirst()
-    error = _refusal(target, lock, token, stored)
+    stored = await write.rows.values_list(write.attname, flat=True).afirst()
+    error = _refusal(target, lock, write, stored)
     if raise_on_stale:
         raise error
     return False
@@ -504,7 +587,9 @@ class FencedQuerySet(models.QuerySet[_M]):
     """A QuerySet with ``fenced_update()``: ``objects = FencedQuerySet.as_manager()``.
 
     ``Product.objects.filter(pk=42).fenced_update(lock, stock=F("stock") - 1)``
-    returns how many rows were written.
+    returns how many rows were written. It compares only the token; to write
+    what was computed from a read, filter on the token read with it too
+    (``filter(pk=42, fence=seen)``).
     """
 
     def fenced_update(

@@ -4,7 +4,10 @@ The pause scenario (Kleppmann) is run with real locks: holder A takes the row's
 lock, its lease runs out while it is "paused", holder B takes the lock with a
 newer token and writes; then A resumes and writes what it computed before the
 pause. The fenced write is refused and B's data stays; the negative control does
-the same with a plain ``update()`` and shows A overwriting B. Two owners are two
+the same with a plain ``update()`` and shows A overwriting B. In the other order
+(B has read but not written when A resumes) the write is a compare-and-set on the
+token read with the row: A's lands, B's is refused; fenced by the token only, both
+land and the last unit sells twice. Two owners are two
 threads (or two tasks), each with its own database connection, so those tests use
 transactional databases. Run with ``DATABASE_URL=postgres://...`` too: the
 concurrent-transaction test needs PostgreSQL's row locks.
@@ -526,6 +529,168 @@ async def test_afenced_update_writes_with_a_held_token(async_db: None) -> None:
     row = await FencedItem.objects.aget(pk=item.pk)
     assert (row.stock, row.fence) == (9, token)
     assert item.fence == token
+
+
+# The pause between read and write: the write is compared with what was read.
+
+
+@pytest.mark.django_db
+def test_fenced_update_refuses_an_instance_read_before_the_row_was_written() -> None:
+    """An instance whose row was written since it was read is refused, even under
+    a newer token: its values are stale. Reloaded, the same write lands."""
+    item = FencedItem.objects.create(name="widget", stock=1)
+    read_early = FencedItem.objects.get(pk=item.pk)
+    with model_lock(item, fencing=True) as lock:
+        assert fenced_update(item, lock, stock=item.stock - 1)
+        token_1 = lock.fencing_token
+    with model_lock(item, fencing=True) as lock:
+        assert fenced_update(read_early, lock, stock=read_early.stock - 1) is False
+        with pytest.raises(StaleFencingTokenError) as caught:
+            fenced_update(read_early, lock, stock=0, raise_on_stale=True)
+        assert FencedItem.objects.get(pk=item.pk).stock == 0
+        read_early.refresh_from_db()
+        assert fenced_update(read_early, lock, stock=read_early.stock + 5)
+        token_2 = lock.fencing_token
+    assert token_2 is not None and token_1 is not None and token_2 > token_1
+    error = caught.value
+    assert (error.token, error.stored_token, error.read_token) == (token_2, token_1, 0)
+    assert "read" in str(error) and str(token_1) in str(error)
+    assert FencedItem.objects.values_list("stock", "fence").get(pk=item.pk) == (
+        5,
+        token_2,
+    )
+
+
+@pytest.mark.django_db
+def test_fenced_update_of_an_instance_without_its_fence_loaded_is_an_error() -> None:
+    """With the token field deferred there is no read to compare with: a
+    FieldError, not a write and not a fresh read of the token."""
+    item = FencedItem.objects.create(name="widget", stock=1)
+    partial = FencedItem.objects.only("stock").get(pk=item.pk)
+    lock = model_lock(item, fencing=True)
+    with lock, pytest.raises(FieldError, match="fence was not loaded"):
+        fenced_update(partial, lock, stock=0)
+    assert "fence" not in partial.__dict__
+    assert FencedItem.objects.values_list("stock", "fence").get(pk=item.pk) == (1, 0)
+
+
+def _sell_one(row: FencedItem, lock: Redlock) -> object:
+    """The instance write: ``stock - 1`` of the read, compared with the read fence."""
+    return _caught(
+        lambda: fenced_update(row, lock, stock=row.stock - 1, raise_on_stale=True)
+    )
+
+
+def _sell_one_where_fence_is_as_read(row: FencedItem, lock: Redlock) -> object:
+    """The queryset write with the comparison made by hand: ``filter(fence=...)``."""
+    rows = FencedItem.objects.filter(pk=row.pk, fence=row.fence)
+    return fenced_update(rows, lock, stock=row.stock - 1) == 1
+
+
+def _sell_one_by_token_only(row: FencedItem, lock: Redlock) -> object:
+    """The negative control: fenced by the token only, as the write was before."""
+    rows = FencedItem.objects.filter(pk=row.pk)
+    return fenced_update(rows, lock, stock=row.stock - 1) == 1
+
+
+@pytest.mark.parametrize(
+    ("write", "sales"),
+    [
+        (_sell_one, 1),
+        (_sell_one_where_fence_is_as_read, 1),
+        (_sell_one_by_token_only, 2),
+    ],
+    ids=["instance", "queryset-filtered-on-the-read-fence", "negative-control"],
+)
+@pytest.mark.django_db(transaction=True)
+def test_a_paused_holder_and_its_successor_cannot_both_sell_the_last_unit(
+    other: Owner, write: Callable[[FencedItem, Redlock], object], sales: int
+) -> None:
+    """A reads the last unit and pauses past its lease; B takes the lock, reads
+    the last unit and is still paying when A resumes and writes; then B writes.
+
+    A's write lands (nothing was written since A read), B's is refused: the row
+    changed after B read it. The control, fenced by the token only, lets both
+    land: two sales of one unit.
+    """
+    item = FencedItem.objects.create(name="widget", stock=1)
+    lock_a = model_lock(item, fencing=True, ttl=PAUSE_TTL)
+    assert lock_a.acquire()
+    token_a = lock_a.fencing_token
+    row_a = FencedItem.objects.get(pk=item.pk)
+    time.sleep(PAUSE)  # A pauses (GC, swap): its lease runs out.
+    assert lock_a.lost
+    b_read, a_wrote = threading.Event(), threading.Event()
+
+    def holder_b() -> tuple[object, int | None]:
+        with model_lock(FencedItem, item.pk, fencing=True) as lock_b:
+            row_b = FencedItem.objects.get(pk=item.pk)
+            b_read.set()
+            assert a_wrote.wait(5)  # B's payment, during which A resumes
+            return write(row_b, lock_b), lock_b.fencing_token
+
+    b_sells = other.submit(holder_b)
+    assert b_read.wait(5)
+    a_outcome = write(row_a, lock_a)
+    a_wrote.set()
+    b_outcome, token_b = b_sells.result(timeout=10)
+    with pytest.raises(LockLostError):
+        lock_a.release()
+    landed = [outcome is True for outcome in (a_outcome, b_outcome)]
+    assert landed == ([True, True] if sales == 2 else [True, False])
+    stock, fence = FencedItem.objects.values_list("stock", "fence").get(pk=item.pk)
+    assert stock == 0
+    if sales == 2:
+        assert fence == token_b  # B's write landed on top of A's
+        return
+    assert fence == token_a
+    if write is _sell_one:
+        assert isinstance(b_outcome, StaleFencingTokenError)
+        assert b_outcome.token == token_b
+        assert b_outcome.stored_token == token_a == fence
+        assert b_outcome.read_token == 0
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["instance", "negative-control"])
+@pytest.mark.django_db(transaction=True)
+async def test_a_paused_task_and_its_successor_cannot_both_sell_the_last_unit(
+    async_db: None, control: bool
+) -> None:
+    """The same interleaving between two tasks with ``afenced_update``: A's write
+    lands, B's is refused; fenced by the token only, both land."""
+    item = await FencedItem.objects.acreate(name="widget", stock=1)
+    b_read, a_wrote = asyncio.Event(), asyncio.Event()
+
+    async def sell_one(row: FencedItem, lock: Redlock) -> bool:
+        if control:
+            rows = FencedItem.objects.filter(pk=row.pk)
+            return await afenced_update(rows, lock, stock=row.stock - 1) == 1
+        return await afenced_update(row, lock, stock=row.stock - 1)
+
+    async def holder_b() -> tuple[bool, int | None]:
+        async with model_lock(FencedItem, item.pk, fencing=True) as lock_b:
+            row_b = await FencedItem.objects.aget(pk=item.pk)
+            b_read.set()
+            await asyncio.wait_for(a_wrote.wait(), 5)
+            return await sell_one(row_b, lock_b), lock_b.fencing_token
+
+    lock_a = model_lock(item, fencing=True, ttl=PAUSE_TTL)
+    assert await lock_a.aacquire()
+    row_a = await FencedItem.objects.aget(pk=item.pk)
+    await asyncio.sleep(PAUSE)
+    assert lock_a.lost
+    b_sells = asyncio.create_task(holder_b())
+    await asyncio.wait_for(b_read.wait(), 5)
+    a_outcome = await sell_one(row_a, lock_a)
+    a_wrote.set()
+    b_outcome, token_b = await b_sells
+    with pytest.raises(LockLostError):
+        await lock_a.arelease()
+    assert (a_outcome, b_outcome) == ((True, True) if control else (True, False))
+    qs = FencedItem.objects.filter(pk=item.pk)
+    stock, fence = await qs.values_list("stock", "fence").aget()
+    assert stock == 0
+    assert (fence == token_b) is control
 
 
 # The refusal happens in the UPDATE itself, not in a read before it.
