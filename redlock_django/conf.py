@@ -55,6 +55,7 @@ __all__ = [
     "Problem",
     "RedlockSettings",
     "SafeSettingsReporterFilter",
+    "check_seconds",
     "connection_params",
     "get_settings",
     "parse_node",
@@ -848,6 +849,35 @@ def _number(value: object) -> float | None:
         return None
     number = float(value)
     return number if math.isfinite(number) else None
+
+
+def check_seconds(
+    name: str,
+    value: object,
+    *,
+    allow_none: bool = False,
+    allow_zero: bool = False,
+    limit: float | None = MAX_TTL,
+) -> float | None:
+    """Return ``value`` as seconds, or raise ``TypeError``/``ValueError`` naming it.
+
+    The one rule for durations given as arguments, as the settings apply it: a
+    finite real number (never a bool, NaN or infinity), above 0 (or 0 with
+    ``allow_zero``) and at most ``limit``; None only with ``allow_none``.
+    """
+    if value is None:
+        if allow_none:
+            return None
+        raise ValueError(f"{name} must be a number of seconds, not None")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, not {value!r}")
+    number = _number(value)
+    low_ok = number is not None and (number >= 0 if allow_zero else number > 0)
+    if number is None or not low_ok or (limit is not None and number > limit):
+        low = "a number >= 0" if allow_zero else "a positive number"
+        high = "" if limit is None else f" up to {limit:g}"
+        raise ValueError(f"{name} must be {low} of seconds{high}, not {value!r}")
+    return number
 
 
 def _seconds(value: object) -> float:

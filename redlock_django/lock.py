@@ -30,7 +30,13 @@ from typing import Any, ParamSpec, TypeVar, cast
 from asgiref.sync import iscoroutinefunction
 
 from . import aio, nodes, signals, sync, wake
-from .conf import MAX_TTL, NodeSpec, RedlockSettings, get_settings, parse_node
+from .conf import (
+    NodeSpec,
+    RedlockSettings,
+    check_seconds,
+    get_settings,
+    parse_node,
+)
 from .exceptions import (
     LockContentionError,
     LockError,
@@ -143,25 +149,6 @@ def key_name(resource: str) -> str:
     return f"{resource[:160]}~{digest}"
 
 
-def _check_seconds(name: str, value: float | None, *, allow_none: bool) -> None:
-    """Accept None (when allowed) or a positive, finite number of seconds.
-
-    The cap is the settings' (``MAX_TTL``, a day): a larger lease is almost surely
-    a unit mistake, and infinity cannot be sent to Redis as milliseconds.
-    """
-    if value is None:
-        if not allow_none:
-            raise ValueError(f"{name} must be a number of seconds, not None")
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds, not {value!r}")
-    if not 0 < value <= MAX_TTL:  # also refuses NaN and infinity
-        raise ValueError(
-            f"{name} must be a positive number of seconds up to {MAX_TTL:g}, "
-            f"not {value!r}"
-        )
-
-
 @dataclass(frozen=True)
 class _Config:
     """A lock's options resolved against the settings of the moment."""
@@ -211,7 +198,30 @@ def _report_lost(hold: _Hold, reason: str) -> None:
 _holds: weakref.WeakKeyDictionary[object, dict[tuple[Any, ...], _Hold]] = (
     weakref.WeakKeyDictionary()
 )
+# owner -> lock identity -> (levels, why): a hold found lost and replaced by a new
+# acquisition while ``levels`` outer ``with`` blocks were still open on it; their
+# releases raise LockLostError instead of finding nothing (see ``_replace``).
+_replaced: weakref.WeakKeyDictionary[object, dict[tuple[Any, ...], list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 _holds_lock = threading.Lock()
+
+
+def _forget_parent_holds() -> None:
+    """In a forked child: start with no holds, hand-offs or locks of the parent.
+
+    Holds are keyed by the Thread object, which survives fork(): without this a
+    child's acquire would re-enter its parent's hold with no network call. The
+    lock is made anew, as a parent thread may have held it at the fork.
+    """
+    global _holds, _replaced, _holds_lock
+    _holds = weakref.WeakKeyDictionary()
+    _replaced = weakref.WeakKeyDictionary()
+    _holds_lock = threading.Lock()
+    _handoffs.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_holds)
 
 
 def _sync_owner(method: str) -> object:
@@ -259,6 +269,28 @@ def _drop_hold(owner: object, identity: tuple[Any, ...]) -> None:
                 del _holds[owner]
 
 
+def _note_replaced(owner: object, identity: tuple[Any, ...], hold: _Hold) -> None:
+    """Remember the open levels of a lost hold that a new acquisition replaces."""
+    why = hold.lease.lost or "its lease ran out"
+    with _holds_lock:
+        _replaced.setdefault(owner, {})[identity] = [hold.depth, why]
+
+
+def _pop_replaced(owner: object, identity: tuple[Any, ...]) -> str | None:
+    """Close one level of a replaced hold: why it was lost, or None if none is open."""
+    with _holds_lock:
+        entries = _replaced.get(owner)
+        entry = None if entries is None else entries.get(identity)
+        if entry is None:
+            return None
+        entry[0] -= 1
+        if entry[0] <= 0:
+            del entries[identity]  # type: ignore[union-attr]
+            if not entries:
+                del _replaced[owner]
+        return str(entry[1])
+
+
 @functools.cache
 def _hostname() -> str:
     return socket.gethostname()
@@ -271,6 +303,21 @@ def _meta_head(pid: int, holder: str, ttl: float, label: str) -> str:
     return json.dumps({**fields, "label": label}, separators=(",", ":"))[:-1]
 
 
+def _conflict(held: _Config, wanted: _Config) -> tuple[str, Any, Any] | None:
+    """Name the first option in which a re-entry differs from the hold it enters."""
+    pairs: list[tuple[str, Any, Any]] = [
+        ("ttl", held.spec.ttl, wanted.spec.ttl),
+        ("fencing", held.spec.fence_key is not None, wanted.spec.fence_key is not None),
+        ("auto_extend", held.auto_extend, wanted.auto_extend),
+    ]
+    if held.auto_extend:
+        pairs.append(("max_hold", held.max_hold, wanted.max_hold))
+    for name, held_value, wanted_value in pairs:
+        if held_value != wanted_value:
+            return name, held_value, wanted_value
+    return None
+
+
 class _Watchdog:
     """Extends one hold's lease in the background until stopped."""
 
@@ -280,6 +327,9 @@ class _Watchdog:
         # instead of keeping its lock alive until max_hold (or forever).
         self._owner = weakref.ref(owner)
         self._stop = threading.Event()
+        #: A forked child inherits a running watchdog task (not thread) with the
+        #: event loop: it must never extend its parent's lease.
+        self._pid = os.getpid()
         self._valid_until = hold.lease.valid_until
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
@@ -324,6 +374,8 @@ class _Watchdog:
         self._thread.start()
 
     def _owner_gone(self) -> bool:
+        if os.getpid() != self._pid:
+            return True
         owner = self._owner()
         if owner is None:
             return True
@@ -350,7 +402,7 @@ class _Watchdog:
     async def _asleep(self, seconds: float) -> None:
         self._note_extension()
         await asyncio.sleep(seconds)
-        if self._owner_gone():
+        if self._stop.is_set() or self._owner_gone():
             raise _Stopped
 
     def _run_thread(self) -> None:
@@ -385,6 +437,12 @@ class _Watchdog:
             self._crashed()
             return
         self._report()
+
+    def halt(self) -> None:
+        """Stop extending without waiting: the thread or task ends on its own."""
+        self._stop.set()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
 
     def stop(self) -> None:
         """Stop extending, and wait for an extension under way to end."""
@@ -436,19 +494,11 @@ class Redlock:
         drift_factor: float | None = None,
     ) -> None:
         self.resource = check_resource(resource, MAX_NAME_LENGTH)
-        _check_seconds("ttl", ttl, allow_none=True)
-        _check_seconds("max_hold", max_hold, allow_none=True)
-        _check_seconds("node_timeout", node_timeout, allow_none=True)
-        for name, value in (
-            ("retry_delay", retry_delay),
-            ("retry_jitter", retry_jitter),
-        ):
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or value < 0
-            ):
-                raise ValueError(f"{name} must be a number >= 0, not {value!r}")
+        check_seconds("ttl", ttl, allow_none=True)
+        check_seconds("max_hold", max_hold, allow_none=True)
+        check_seconds("node_timeout", node_timeout, allow_none=True)
+        check_seconds("retry_delay", retry_delay, allow_none=True, allow_zero=True)
+        check_seconds("retry_jitter", retry_jitter, allow_none=True, allow_zero=True)
         if drift_factor is not None and not 0 <= drift_factor < 0.5:
             raise ValueError(f"drift_factor must be in [0, 0.5), not {drift_factor!r}")
         if nodes is not None:
@@ -563,17 +613,40 @@ class Redlock:
         now = datetime.now(UTC).isoformat(timespec="milliseconds")
         return f'{head},"acquired_at":"{now}"}}'
 
-    def _reenter(self, hold: _Hold) -> None:
-        lease = hold.lease
-        if lease.lost is not None or _clock() >= lease.valid_until:
-            raise LockLostError(
-                f"cannot re-acquire {self.resource!r}: the lease held by this owner "
-                f"was lost ({lease.lost or 'it ran out'})",
-                resource=self.resource,
-                nodes=hold.config.spec.node_count,
-                quorum=hold.config.spec.quorum,
+    def _reenter(self, hold: _Hold, config: _Config) -> None:
+        """Nest one more level in ``hold``, if this object's options agree with it."""
+        conflict = _conflict(hold.config, config)
+        if conflict is not None:
+            name, held_value, wanted = conflict
+            raise ValueError(
+                f"cannot re-enter {self.resource!r} with {name}={wanted!r}: this "
+                f"owner holds it through {hold.lock!r} with {name}={held_value!r}; "
+                f"re-enter with the same options, or pass reentrant=False for a "
+                f"separate hold"
             )
         hold.depth += 1
+
+    def _replace(self, owner: object, hold: _Hold) -> None:
+        """Drop a hold found lost or run out, so the owner can acquire afresh.
+
+        Its watchdog is stopped, ``lock_lost`` sent (once per hold) and a warning
+        logged; ``with`` blocks still open on it raise ``LockLostError`` at exit.
+        """
+        lease = hold.lease
+        why = lease.lost or (
+            f"its lease ran out {_clock() - lease.valid_until:.3f}s ago, unreleased"
+        )
+        if hold.watchdog is not None:
+            hold.watchdog.halt()
+        _drop_hold(owner, hold.config.identity)
+        _note_replaced(owner, hold.config.identity, hold)
+        logger.warning(
+            "redlock %r: this owner's earlier hold was lost (%s); it is dropped and "
+            "the lock acquired afresh",
+            self.resource,
+            why,
+        )
+        _report_lost(hold, why)
 
     def _grant(
         self, owner: object, config: _Config, grant: Grant, since: float
@@ -674,10 +747,12 @@ class Redlock:
         """Return the config and flow to drive, or None if the owner re-entered."""
         config = self._resolve()
         wait = self._wait(config, blocking, timeout)
-        if self.reentrant:
-            hold = _get_hold(owner, config.identity)
-            if hold is not None:
-                self._reenter(hold)
+        hold = _get_hold(owner, config.identity)
+        if hold is not None:
+            if hold.lease.lost is not None or _clock() >= hold.lease.valid_until:
+                self._replace(owner, hold)
+            elif self.reentrant:
+                self._reenter(hold, config)
                 return None
         token = secrets.token_urlsafe(TOKEN_BYTES)
         meta = self._meta(config, holder)
@@ -687,6 +762,17 @@ class Redlock:
 
     def _start_release(self, owner: object) -> _Hold | None:
         """Return the hold to release on the nodes, or None if still re-entered."""
+        config = self._resolve()
+        if _get_hold(owner, config.identity) is None:
+            why = _pop_replaced(owner, config.identity)
+            if why is not None:
+                raise LockLostError(
+                    f"lock {self.resource!r} was lost while held ({why}); a later "
+                    f"acquisition by this owner replaced the hold",
+                    resource=self.resource,
+                    nodes=config.spec.node_count,
+                    quorum=config.spec.quorum,
+                )
         hold = self._owned(owner, "release")
         if hold.depth > 1:
             hold.depth -= 1
@@ -766,7 +852,7 @@ class Redlock:
         owner = _sync_owner("extend")
         hold = self._owned(owner, "extend")
         config = hold.config
-        _check_seconds("ttl", ttl, allow_none=True)
+        check_seconds("ttl", ttl, allow_none=True)
         flow = self._extend_flow(hold, ttl)
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         return self._extended(hold, sync.run(flow, pools, config.node_timeout))
@@ -852,11 +938,34 @@ class Redlock:
         return True
 
     async def arelease(self) -> None:
-        """Release the lock from a coroutine; see ``release()``."""
+        """Release the lock from a coroutine; see ``release()``.
+
+        The clean-up (stopping the watchdog, the release on every node) runs in a
+        task of its own: cancelling the caller, once or many times, never cuts it
+        short; the cancellation is raised once the clean-up has ended.
+        """
         owner = _async_owner("release")
         hold = self._start_release(owner)
         if hold is None:
             return
+        work = asyncio.ensure_future(self._arelease_hold(owner, hold))
+        cancelled: asyncio.CancelledError | None = None
+        while not work.done():
+            try:
+                await asyncio.wait((work,))
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+        if cancelled is not None:
+            if not work.cancelled() and work.exception() is not None:
+                logger.error(
+                    "redlock %r: release of a cancelled task: %s",
+                    self.resource,
+                    work.exception(),
+                )
+            raise cancelled
+        work.result()
+
+    async def _arelease_hold(self, owner: object, hold: _Hold) -> None:
         if hold.watchdog is not None:
             await hold.watchdog.astop()
         hold.releases += 1
@@ -873,7 +982,7 @@ class Redlock:
         owner = _async_owner("extend")
         hold = self._owned(owner, "extend")
         config = hold.config
-        _check_seconds("ttl", ttl, allow_none=True)
+        check_seconds("ttl", ttl, allow_none=True)
         flow = self._extend_flow(hold, ttl)
         clients = nodes.async_clients(config.nodes, config.node_timeout)
         return self._extended(hold, await aio.run(flow, clients, config.node_timeout))

@@ -1,0 +1,294 @@
+"""A hold's life in one process: forks, expiry, cancellation, re-entry, on real nodes.
+
+Each test here reproduces a hole found by an adversarial review (issue 10) and fails
+on the code before its fix: a forked child inheriting its parent's hold, an expired
+hold poisoning its thread, a twice-cancelled ``arelease()`` skipping the release,
+and a re-entry through another ``Redlock`` ignoring that object's options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import multiprocessing
+import os
+import time
+from typing import Any
+
+import pytest
+
+from redlock_django import LockContentionError, LockLostError, Redlock, signals
+from tests._nodes import NodeSet
+
+KEY = "redlock:lock:{}"
+
+
+def _on_nodes(nodes: NodeSet, resource: str) -> int:
+    """How many nodes hold a key for ``resource`` right now."""
+    return sum(1 for node in nodes if node.client().exists(KEY.format(resource)))
+
+
+# A forked child starts with none of its parent's holds.
+
+
+def _child_tries(resource: str, urls: list[str], conn: Any) -> None:
+    try:
+        lock = Redlock(resource, nodes=urls)
+        conn.send(("acquired", lock.acquire(blocking=False), lock.depth))
+    except BaseException as exc:  # reported to the parent, never swallowed
+        conn.send(("raised", repr(exc), 0))
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_forked_child_does_not_inherit_its_parents_hold(
+    redlock_settings: dict[str, Any], nodes: NodeSet, start_method: str
+) -> None:
+    """Inside ``with lock:``, a child process's ``acquire()`` of the same resource
+    goes to the nodes and is refused; it never re-enters the parent's hold.
+    ``spawn`` (a child that shares nothing) is the control."""
+    context = multiprocessing.get_context(start_method)
+    with Redlock("forked", nodes=nodes.urls) as lock:
+        assert lock.depth == 1
+        parent_end, child_end = context.Pipe()
+        child = context.Process(
+            target=_child_tries, args=("forked", nodes.urls, child_end)
+        )
+        child.start()
+        assert parent_end.poll(20), "the child did not answer"
+        outcome = parent_end.recv()
+        child.join(10)
+        assert outcome == ("acquired", False, 0)
+        # The parent's hold is untouched by the child.
+        assert lock.owned() and lock.depth == 1
+        assert _on_nodes(nodes, "forked") == len(nodes)
+    assert _on_nodes(nodes, "forked") == 0
+
+
+def test_os_fork_inside_a_hold_gives_the_child_no_hold_and_no_release(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A bare ``os.fork()`` inside ``with lock:``: the child's own ``with`` of the
+    resource is refused, and its release of the parent's ``with`` deletes nothing."""
+    read, write = os.pipe()
+    with Redlock("bare-fork") as lock:
+        pid = os.fork()
+        if pid == 0:  # the child: report, never return into pytest
+            code = 1
+            try:
+                try:
+                    with Redlock("bare-fork"):
+                        code = 2  # entered: the parent's hold was re-entered
+                except LockContentionError:
+                    code = 0
+                try:
+                    lock.release()
+                    code = code or 3  # released the parent's hold
+                except Exception:
+                    pass
+            finally:
+                os.write(write, bytes([code]))
+                os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        code = os.read(read, 1)
+        os.close(read)
+        assert status == 0
+        assert code == b"\x00", f"child outcome {code!r}"
+        assert lock.owned()
+        assert _on_nodes(nodes, "bare-fork") == len(nodes)
+    assert _on_nodes(nodes, "bare-fork") == 0
+
+
+def test_a_forked_child_runs_none_of_its_parents_watchdogs(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A child forked while its parent auto-extends a lock never extends it: when
+    the parent releases, the lock is free on every node at once."""
+    read, write = os.pipe()
+    with Redlock("fork-watchdog", ttl=0.6, auto_extend=True) as lock:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                # Long enough for a watchdog (if any had survived) to extend twice.
+                time.sleep(1.0)
+                os.write(write, b"k")
+            finally:
+                os._exit(0)
+        time.sleep(0.2)
+        assert lock.owned()
+    os.close(write)
+    assert _on_nodes(nodes, "fork-watchdog") == 0
+    assert os.read(read, 1) == b"k"
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert _on_nodes(nodes, "fork-watchdog") == 0
+
+
+# An expired hold does not poison its thread or task.
+
+
+def test_an_expired_hold_is_dropped_and_the_next_acquire_proceeds(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``acquire()`` without ``release()``, lease runs out: the next ``with`` of the
+    resource in that thread acquires afresh on the nodes (old code: LockLostError
+    forever), ``lock_lost`` is sent once, and a warning names the resource."""
+    lost: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        lost.append(kwargs)
+
+    signals.lock_lost.connect(receiver)
+    try:
+        forgotten = Redlock("poison", ttl=0.3)
+        assert forgotten.acquire(blocking=False)
+        time.sleep(0.45)  # the lease has run out; nobody released it
+        assert _on_nodes(nodes, "poison") == 0
+        with caplog.at_level(logging.WARNING, logger="redlock_django"):
+            for _ in range(3):
+                with Redlock("poison", ttl=5) as lock:
+                    assert lock.owned() and lock.depth == 1
+                    assert _on_nodes(nodes, "poison") == len(nodes)
+                assert _on_nodes(nodes, "poison") == 0
+    finally:
+        signals.lock_lost.disconnect(receiver)
+    assert len(lost) == 1 and lost[0]["resource"] == "poison"
+    assert any(
+        "poison" in r.getMessage() and r.levelno == logging.WARNING
+        for r in caplog.records
+    )
+
+
+async def test_an_expired_hold_does_not_poison_its_task(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The asyncio twin: after an unreleased ``aacquire()`` ran out, the same task
+    acquires again with ``async with``."""
+    forgotten = Redlock("apoison", ttl=0.3)
+    assert await forgotten.aacquire(blocking=False)
+    await asyncio.sleep(0.45)
+    async with Redlock("apoison", ttl=5) as lock:
+        assert lock.owned()
+        assert _on_nodes(nodes, "apoison") == len(nodes)
+    assert _on_nodes(nodes, "apoison") == 0
+
+
+def test_an_outer_block_whose_hold_was_replaced_still_learns_it_lost_the_lock(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """Nested ``with``: the outer hold runs out, the inner ``with`` acquires afresh
+    and releases; the outer exit then raises ``LockLostError`` (its section did
+    lose the lock), not ``LockNotOwnedError``, and leaves nothing on the nodes."""
+    outer = Redlock("nested-expiry", ttl=0.3)
+    inner_ran = False
+    with pytest.raises(LockLostError, match="nested-expiry"), outer:
+        time.sleep(0.45)
+        with Redlock("nested-expiry", ttl=5) as inner:
+            assert inner.owned()
+            inner_ran = True
+        assert _on_nodes(nodes, "nested-expiry") == 0
+    assert inner_ran
+    assert _on_nodes(nodes, "nested-expiry") == 0
+    # Nothing is left over: the next use is clean.
+    with Redlock("nested-expiry") as again:
+        assert again.depth == 1
+
+
+# Releasing from a task completes through any number of cancellations.
+
+
+@pytest.mark.parametrize("auto_extend", [True, False])
+async def test_a_release_completes_through_repeated_cancellations(
+    redlock_settings: dict[str, Any], nodes: NodeSet, auto_extend: bool
+) -> None:
+    """A task holding an (auto-extended) lock is cancelled again and again while it
+    stops its watchdog and releases: the release still reaches every node before
+    the task ends cancelled (old code: the second cancel skipped the release and
+    the lock stayed for its TTL)."""
+    entered = asyncio.Event()
+
+    async def holder() -> None:
+        async with Redlock("cancel-release", ttl=10, auto_extend=auto_extend):
+            entered.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.ensure_future(holder())
+    await entered.wait()
+    for _ in range(200):
+        task.cancel()
+        await asyncio.sleep(0)
+        if task.done():
+            break
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert _on_nodes(nodes, "cancel-release") == 0
+    assert await Redlock("cancel-release").aacquire(blocking=False)
+
+
+async def test_a_cancelled_release_still_raises_the_cancellation_within_a_timeout(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """``asyncio.timeout()`` around a block whose release is cancelled: the release
+    finishes and the timeout surfaces as ``TimeoutError``, as asyncio promises."""
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            async with Redlock("timeout-release", ttl=10, auto_extend=True):
+                await asyncio.sleep(1)
+    assert _on_nodes(nodes, "timeout-release") == 0
+
+
+# Re-entry through another Redlock object with other options.
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner", "option"),
+    [
+        ({"fencing": False}, {"fencing": True}, "fencing"),
+        ({"ttl": 5}, {"ttl": 30}, "ttl"),
+        ({"auto_extend": False}, {"auto_extend": True}, "auto_extend"),
+        ({"auto_extend": True, "max_hold": 20}, {"auto_extend": True}, "max_hold"),
+    ],
+)
+def test_reentry_with_conflicting_options_is_refused_by_name(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    outer: dict[str, Any],
+    inner: dict[str, Any],
+    option: str,
+) -> None:
+    """Re-entering a held lock through another ``Redlock`` whose options differ
+    raises a ``ValueError`` naming the option (old code silently ignored it: no
+    fencing token, a shorter lease, no auto-extension); the outer hold stays."""
+    with Redlock("reentry-options", **outer) as held:
+        other = Redlock("reentry-options", **inner)
+        with pytest.raises(ValueError, match=option):
+            other.acquire()
+        assert held.depth == 1 and held.owned()
+    assert _on_nodes(nodes, "reentry-options") == 0
+
+
+def test_reentry_with_the_same_options_through_another_object_nests(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The control: equal options re-enter, and the fencing token is shared."""
+    with Redlock("reentry-same", fencing=True, ttl=5) as held:
+        with Redlock("reentry-same", fencing=True, ttl=5) as again:
+            assert again.depth == 2
+            assert again.fencing_token == held.fencing_token is not None
+        assert held.depth == 1
+    assert _on_nodes(nodes, "reentry-same") == 0
+
+
+@pytest.mark.parametrize("name", ["retry_delay", "retry_jitter"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_retry_timings_are_refused_like_the_settings(
+    redlock_settings: dict[str, Any], name: str, value: float
+) -> None:
+    """``Redlock(retry_delay=nan)`` is refused as ``RETRY_DELAY`` NaN is."""
+    with pytest.raises(ValueError, match=name):
+        Redlock("bad-timing", **{name: value})
