@@ -14,7 +14,12 @@ connection and to the ones accepted later:
   until released (a gate), then deliver them in order;
 - ``drop_reply_after_forward()``: forward requests, swallow the replies;
 - ``reset()`` (an action, not a mode): abort every open client connection with a
-  TCP RST (``SO_LINGER`` 0), as a crashed host or a middlebox would.
+  TCP RST (``SO_LINGER`` 0), as a crashed host or a middlebox would;
+- ``hold_request(match)`` / ``deliver_held()`` (an action, beside any mode): hold
+  back the next request chunk that contains ``match``, and what follows it on its
+  connection, then deliver it on demand, even after the client closed that
+  connection: a segment stuck in the network, retransmitted after the client
+  gave up, still reaches the node. ``deliver_held`` returns the node's reply.
 
 A chunk is whatever one read returned, so a "request" is one read from a client:
 a redis-py command (or pipeline) is written at once and arrives as one chunk on
@@ -85,13 +90,26 @@ class _Pipe:
         #: Chunks read but not yet written (or swallowed).
         self.pending = 0
         self.eof = False
+        #: Chunks read so far, and the last one (the node's latest reply).
+        self.chunks = 0
+        self.last = b""
+        #: The queued chunk held back by ``hold_request``, until ``gate`` is set.
+        self.held: tuple[float, bytes] | None = None
+        self.gate = asyncio.Event()
+        #: Chunks the node had replied when the held chunk was delivered.
+        self.delivered_at: int | None = None
 
     async def read_loop(self) -> None:
         try:
             while data := await self.reader.read(READ_SIZE):
                 self.proxy._received(data, replies=self.replies)
-                self.queue.append((time.monotonic(), data))
+                chunk = (time.monotonic(), data)
+                if not self.replies and self.proxy._claim_hold(self, data):
+                    self.held = chunk
+                self.queue.append(chunk)
                 self.pending += 1
+                self.chunks += 1
+                self.last = data
                 self.arrived.set()
         except (ConnectionError, OSError):
             pass
@@ -102,11 +120,21 @@ class _Pipe:
         while True:
             while not self.queue:
                 if self.eof:
+                    if self.delivered_at is not None:
+                        # A held chunk went out after the client left: keep the
+                        # node's side open until it answered, so its reply is seen.
+                        await self.proxy._reply_after(self.conn, self.delivered_at)
                     # Everything before the end was delivered: end the other side.
                     self.conn.close()
                     return
                 self.arrived.clear()
                 await self.arrived.wait()
+            if self.queue[0] is self.held:
+                # Held back, with everything behind it (TCP keeps order), until
+                # deliver_held(); the client closing its side changes nothing.
+                await self.gate.wait()
+                self.held = None
+                self.delivered_at = self.conn.replies.chunks
             arrived, data = self.queue[0]
             action, due = self.proxy._policy(arrived, replies=self.replies)
             if action == _WAIT:
@@ -204,6 +232,11 @@ class FaultProxy:
         self.received_bytes = 0
         self.reply_bytes = 0
         self.swallowed_bytes = 0
+        #: Request chunks held back by hold_request() and not yet delivered.
+        self.held = 0
+        # The hold_request() pattern, armed until a request chunk matches it.
+        self._hold_match: bytes | None = None
+        self._held_pipe: _Pipe | None = None
 
     def __repr__(self) -> str:
         return f"<FaultProxy {self._port or '?'} -> {self.upstream_port} {self._mode}>"
@@ -328,6 +361,37 @@ class FaultProxy:
         """Abort every open client connection with a TCP RST; the mode stays."""
         self._call(self._reset())
 
+    def hold_request(self, match: bytes) -> None:
+        """Hold back the next request chunk containing ``match``, until delivered.
+
+        Only that one chunk is caught (later matches pass), with whatever its
+        client sends after it on the same connection. The node's side of that
+        connection stays open even when the client closes its own, as a
+        retransmitted segment still arrives after the sender gave up.
+        """
+        if not match:
+            raise ValueError("match must not be empty")
+
+        async def arm() -> None:
+            if self._held_pipe is not None:
+                raise FaultProxyError("a request is already held")
+            self._hold_match = match
+
+        self._call(arm())
+
+    def wait_for_held(self, timeout: float = CALL_TIMEOUT) -> bool:
+        """Wait until a request chunk is held back; return whether one is."""
+        with self._stats:
+            return self._stats.wait_for(lambda: self.held > 0, timeout)
+
+    def deliver_held(self, timeout: float = CALL_TIMEOUT) -> bytes:
+        """Send the held request on to the node and return the node's reply.
+
+        The reply is what the node answered (the first chunk it sent after the
+        delivery), whether or not the client is still there to read it.
+        """
+        return self._call(self._deliver(timeout), timeout + CALL_TIMEOUT)
+
     def wait_for_request(
         self, timeout: float = CALL_TIMEOUT, *, since: int | None = None
     ) -> bool:
@@ -343,14 +407,14 @@ class FaultProxy:
 
     # Internals, run on the loop's thread.
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float = CALL_TIMEOUT) -> T:
         loop = self._loop
         if loop is None:
             coro.close()
             raise FaultProxyError("the proxy is not running")
         future = asyncio.run_coroutine_threadsafe(coro, loop)
         try:
-            return future.result(CALL_TIMEOUT)
+            return future.result(timeout)
         except TimeoutError as exc:
             future.cancel()
             raise FaultProxyError("the proxy's loop did not answer") from exc
@@ -396,6 +460,44 @@ class FaultProxy:
         if due > time.monotonic():
             return _WAIT, due
         return _FORWARD, None
+
+    def _claim_hold(self, pipe: _Pipe, data: bytes) -> bool:
+        """Return whether ``data``, a request chunk just read, is to be held."""
+        match = self._hold_match
+        if match is None or match not in data:
+            return False
+        self._hold_match = None
+        self._held_pipe = pipe
+        with self._stats:
+            self.held += 1
+            self._stats.notify_all()
+        return True
+
+    async def _deliver(self, timeout: float) -> bytes:
+        pipe = self._held_pipe
+        if pipe is None:
+            raise FaultProxyError("no request is held")
+        replies = pipe.conn.replies
+        seen = replies.chunks
+        pipe.gate.set()
+        if not await self._reply_after(pipe.conn, seen, timeout):
+            raise FaultProxyError("the node did not answer the held request")
+        self._held_pipe = None
+        with self._stats:
+            self.held -= 1
+            self._stats.notify_all()
+        return replies.last
+
+    async def _reply_after(
+        self, conn: _Connection, seen: int, timeout: float = CALL_TIMEOUT
+    ) -> bool:
+        """Wait until the node sent ``conn`` more than ``seen`` chunks; say whether."""
+        deadline = time.monotonic() + timeout
+        while conn.replies.chunks <= seen:
+            if conn.replies.eof or time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.001)
+        return True
 
     def _received(self, data: bytes, *, replies: bool) -> None:
         if not replies:

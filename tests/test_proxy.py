@@ -212,3 +212,54 @@ def test_connection_to_a_stopped_node_is_closed(nodes: NodeSet) -> None:
         node.stop()
         with through(proxy) as client, pytest.raises(redis.ConnectionError):
             client.ping()
+
+
+def test_held_request_reaches_the_node_on_demand_after_the_client_left(
+    proxy: FaultProxy, nodes: NodeSet
+) -> None:
+    """``hold_request`` keeps the first matching command (and what follows it)
+    from the node, even after the client timed out and closed its connection;
+    ``deliver_held`` sends it on and returns the node's reply. Later matches pass."""
+    proxy.hold_request(b"held-key")
+    with through(proxy, timeout=0.2) as client:
+        assert client.ping() is True
+        with pytest.raises(redis.TimeoutError):
+            client.set("held-key", b"late")
+    assert proxy.wait_for_held(1.0)
+    assert proxy.held == 1
+    held = proxy._held_pipe
+    assert held is not None
+    deadline = time.monotonic() + 2.0
+    while not held.eof:  # the client's close reached the proxy
+        assert time.monotonic() < deadline, "the client's close never arrived"
+        time.sleep(0.005)
+    with nodes[0].client() as direct:
+        assert direct.exists("held-key") == 0
+        assert proxy.deliver_held() == b"+OK\r\n"
+        assert direct.get("held-key") == b"late"
+    assert proxy.held == 0
+    # Negative control: only one command was caught; the next match goes through.
+    with through(proxy, timeout=0.2) as client:
+        assert client.set("held-key", b"again") is True
+
+
+def test_held_request_keeps_the_order_of_its_connection(
+    proxy: FaultProxy, nodes: NodeSet
+) -> None:
+    """A command sent after a held one on the same connection waits behind it."""
+    proxy.hold_request(b"first")
+    raw = socket.create_connection(("127.0.0.1", proxy.port), timeout=2.0)
+    with raw:
+        raw.sendall(b"SET first 1\r\n")
+        assert proxy.wait_for_held(1.0)
+        raw.sendall(b"SET second 2\r\n")
+        time.sleep(0.1)
+        with nodes[0].client() as direct:
+            assert direct.exists("first", "second") == 0
+            assert proxy.deliver_held().startswith(b"+OK\r\n")
+            deadline = time.monotonic() + 2.0
+            while direct.exists("second") == 0:
+                assert time.monotonic() < deadline, "the second command never ran"
+                time.sleep(0.005)
+            assert direct.get("first") == b"1"
+        assert raw.recv(100).startswith(b"+OK\r\n")
