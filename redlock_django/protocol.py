@@ -13,6 +13,10 @@ Timeline of one acquisition attempt (spec: redis.io "Distributed Locks with Redi
     validity = ttl - elapsed - (ttl * drift_factor + 2 ms)
     granted >= N // 2 + 1 and validity > 0  -> held until start + ttl - drift
     otherwise Fanout(RELEASE) to all N nodes, Sleep(delay + jitter), try again
+
+Attempt k of one acquisition writes its own token, ``<base>.<k>``, and its clean-up
+releases only that token: a clean-up delayed in the network can then never delete
+the key a later attempt counted toward its quorum.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ class LockSpec:
 class Grant:
     """A successful acquisition."""
 
+    #: The winning attempt's token (``<base>.<attempt>``): the lease's token.
     token: str
     #: Monotonic time just before the winning attempt was sent.
     started: float
@@ -252,11 +257,21 @@ def _error(
     )
 
 
+def attempt_token(base: str, attempt: int) -> str:
+    """Return the token attempt number ``attempt`` (from 1) of an acquisition writes.
+
+    Each attempt has its own token so that a late clean-up of one attempt cannot
+    delete a key a later attempt counted; ACQUIRE parses the number after the last
+    dot to let a later attempt take over an earlier one's leftover key.
+    """
+    return f"{base}.{attempt}"
+
+
 def _cleanup(
     spec: LockSpec, token: str, attempt: int, nodes: tuple[int, ...] | None = None
 ) -> Fanout:
-    """Undo a failed attempt on ``nodes`` (all by default); it wakes waiters like a
-    release."""
+    """Undo a failed attempt (its own ``token``) on ``nodes`` (all by default); it
+    wakes waiters like a release."""
     return Fanout(
         RELEASE_SCRIPT,
         (spec.key,),
@@ -277,11 +292,13 @@ def acquire_flow(
 ) -> Generator[Step, Any, Grant]:
     """Acquire ``spec`` on a quorum, retrying for up to ``wait`` seconds.
 
-    ``wait`` 0 makes a single attempt; None retries without limit. Raises
-    ``LockContentionError`` when the wait runs out while others hold the lock, and
-    ``QuorumUnavailableError`` at once when too few nodes answer to ever make a
-    quorum (an outage: waiting would not help), or when the wait runs out while
-    nodes answer too slowly for any validity to be left.
+    ``token`` is a random base: attempt k writes ``attempt_token(token, k)``, and
+    the grant carries the winning attempt's token. ``wait`` 0 makes a single
+    attempt; None retries without limit. Raises ``LockContentionError`` when the
+    wait runs out while others hold the lock, and ``QuorumUnavailableError`` at
+    once when too few nodes answer to ever make a quorum (an outage: waiting would
+    not help), or when the wait runs out while nodes answer too slowly for any
+    validity to be left.
     """
     every = tuple(range(spec.node_count))
     keys = (spec.key,) if spec.fence_key is None else (spec.key, spec.fence_key)
@@ -294,17 +311,18 @@ def acquire_flow(
     attempt = wakeups = 0
     while True:
         attempt += 1
+        mine = attempt_token(token, attempt)
         start = clock()
         try:
             replies: Replies = yield Fanout(
                 ACQUIRE_SCRIPT,
                 keys,
-                (token, lease, meta),
+                (mine, lease, meta),
                 need=spec.quorum,
                 wins=granted,
             )
         except BaseException:
-            yield _cleanup(spec, token, attempt)
+            yield _cleanup(spec, mine, attempt)
             raise
         won = tuple(i for i, r in zip(every, replies, strict=True) if granted(r.value))
         failed = _failed(spec, replies, every)
@@ -316,13 +334,13 @@ def acquire_flow(
                 confirms: Replies = yield Fanout(
                     FENCE_SCRIPT,
                     keys,
-                    (token, fencing_token),
+                    (mine, fencing_token),
                     nodes=won,
                     need=spec.quorum,
                     wins=confirmed,
                 )
             except BaseException:
-                yield _cleanup(spec, token, attempt)
+                yield _cleanup(spec, mine, attempt)
                 raise
             failed.update(_failed(spec, confirms, won))
             won = tuple(
@@ -331,9 +349,7 @@ def acquire_flow(
             left = validity(spec.ttl, clock() - start, spec.drift_factor)
         if len(won) >= spec.quorum and left > 0:
             valid_until = start + spec.ttl - drift(spec.ttl, spec.drift_factor)
-            return Grant(
-                token, start, valid_until, won, fencing_token, attempt, wakeups
-            )
+            return Grant(mine, start, valid_until, won, fencing_token, attempt, wakeups)
 
         # Failed attempt: unlock every node that may hold our key: those that
         # granted, and those that did not answer (the write may have landed and
@@ -344,7 +360,7 @@ def acquire_flow(
             i for i, r in zip(every, replies, strict=True) if r.value != -1 or not r.ok
         )
         if suspect:
-            yield _cleanup(spec, token, attempt, suspect)
+            yield _cleanup(spec, mine, attempt, suspect)
         if len(failed) > spec.node_count - spec.quorum:
             raise _error(
                 QuorumUnavailableError,

@@ -53,10 +53,15 @@ end
 """
 
 # KEYS[1] lock key; KEYS[2] (optional) fencing counter key
-# ARGV[1] token; ARGV[2] lease in ms; ARGV[3] holder metadata (JSON)
-# returns -1 when another token (or a foreign value) holds the key; otherwise grants
-# or refreshes our own leftover from an earlier attempt, and returns the fencing
-# counter (0 when absent or not asked for). A counter that is not an integer is an
+# ARGV[1] token of this attempt, "<base>.<attempt>" (attempt k of one acquisition
+# writes base.k); ARGV[2] lease in ms; ARGV[3] holder metadata (JSON)
+# returns the fencing counter (0 when absent or not asked for) when it wrote ARGV[1]:
+# the key was free, held ARGV[1] itself (a resent command), or held an earlier
+# attempt of the same base (same base, lower attempt number): a leftover whose
+# clean-up was lost, which must not block the next attempt. Returns -1, writing
+# nothing, when any other token holds it: a later attempt of ours (a late ACQUIRE
+# must not take a node a later attempt counted), another base, a token without an
+# attempt number, or a foreign value. A counter that is not an integer is an
 # error reply, checked before anything is written, so that node just votes no.
 ACQUIRE_SCRIPT = Script(
     "acquire",
@@ -72,7 +77,11 @@ end
     + _READ_OWNER
     + """
 if owner and owner ~= ARGV[1] then
-  return -1
+  local base, attempt = string.match(ARGV[1], '^(.*)%.(%d+)$')
+  local held, earlier = string.match(owner, '^(.*)%.(%d+)$')
+  if not (base and held == base and tonumber(earlier) < tonumber(attempt)) then
+    return -1
+  end
 end
 redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])
 redis.call('pexpire', KEYS[1], ARGV[2])

@@ -332,14 +332,15 @@ def test_retries_are_jittered_apart_between_competing_clients(
     holder.release()
     assert results == [False, False]
 
-    # Acquire attempts by token: '<ts> [0 addr] "EVALSHA" "<sha>" "1" "<key>" "<token>"'
+    # Acquire attempts by client, '<ts> [0 addr] "EVALSHA" "<sha>" "1" "<key>"
+    # "<base>.<attempt>"': each attempt has its own token, one base per acquire.
     attempts: dict[str, list[float]] = {}
     for line in lines:
         if f'"EVALSHA" "{ACQUIRE_SCRIPT.sha}"' not in line:
             continue
         parts = line.split('"')
-        stamp, token = float(line.split()[0]), parts[9]
-        attempts.setdefault(token, []).append(stamp)
+        stamp, base = float(line.split()[0]), parts[9].rpartition(".")[0]
+        attempts.setdefault(base, []).append(stamp)
     assert len(attempts) == 2, lines[:5]
     gaps = {
         # The last gap is cut short by the end of the wait: leave it out.
@@ -366,8 +367,9 @@ def test_own_leftover_key_from_a_failed_attempt_does_not_block_the_next_attempt(
     proxies: list[FaultProxy],
 ) -> None:
     """Attempt 1 lands on node 0 but both its reply and its clean-up are lost,
-    leaving our token there; attempt 2 counts that leftover as its own vote and
-    wins (nodes 0, 1, 2). The same leftover blocks any other client."""
+    leaving its token there; a later attempt of the same acquire takes that
+    leftover over, counts it as its own vote and wins (nodes 0, 1, 2). The same
+    leftover blocks any other client."""
     settings.REDLOCK = {
         **redlock_settings,
         "NODES": [proxies[0].url, *nodes.urls[1:]],
@@ -416,9 +418,13 @@ def test_own_leftover_key_from_a_failed_attempt_does_not_block_the_next_attempt(
             assert time.monotonic() < deadline, "attempt 2 did not finish"
             time.sleep(0.01)
         assert result == [True]
-        # One acquire call keeps one token across its attempts: the leftover
-        # was its own, refreshed by attempt 2.
-        assert tokens(nodes, "leftover")[:3] == [leftover] * 3
+        # Each attempt writes "<base>.<attempt>": the leftover, an earlier
+        # attempt of this acquire, was taken over by the winning attempt.
+        won = tokens(nodes, "leftover")[:3]
+        assert len(set(won)) == 1 and won[0] is not None, won
+        base, _, number = leftover.rpartition(b".")
+        won_base, _, won_number = won[0].rpartition(b".")
+        assert won_base == base and int(won_number) > int(number), (leftover, won)
     finally:
         checked.set()
         thread.join(5)

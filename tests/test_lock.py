@@ -59,6 +59,7 @@ async def test_acquire_holds_the_lock_on_every_node_until_release(
     held = tokens(nodes, "basic")
     assert None not in held and len(set(held)) == 1
     assert len(held[0]) >= 27  # 20 random bytes, url-safe base64
+    assert held[0].endswith(b".1")  # then the number of the attempt that won
     assert await api.locked(lock)
     assert await api.look(lock, "owned")
     await api.release(lock)

@@ -122,7 +122,8 @@ def test_acquire_sends_token_lease_in_ms_and_metadata() -> None:
         clock,
     )
     assert seen[0].keys == ("p:lock:r",)
-    assert seen[0].args == ("tok", 2500, '{"a":1}')
+    # The given token is a base: attempt 1 writes "<base>.1".
+    assert seen[0].args == ("tok.1", 2500, '{"a":1}')
 
 
 def test_failed_attempt_releases_its_nodes_then_retries_after_jittered_delay() -> None:
@@ -145,8 +146,9 @@ def test_failed_attempt_releases_its_nodes_then_retries_after_jittered_delay() -
     cleanup = steps[1]
     # Nodes 0 and 1 granted; 2-4 answered "held by another" and wrote nothing.
     assert cleanup.nodes == (0, 1) and cleanup.critical
-    # The clean-up names its attempt in the wake-up it publishes, never the token.
-    assert cleanup.args == ("tok", release_id("tok", 1))
+    # The clean-up names its attempt's token, and the attempt in the wake-up it
+    # publishes (never the token itself).
+    assert cleanup.args == ("tok.1", release_id("tok.1", 1))
     assert steps[2].seconds == pytest.approx(0.1 + 0.25 * 0.2)
     assert steps[2].wake == "p:lock:r"
     assert grant.granted == (0, 1, 2, 3)
@@ -295,6 +297,52 @@ def test_interrupted_attempt_cleans_up_before_the_interruption_propagates() -> N
     assert flow.send(None).script is ACQUIRE_SCRIPT
     cleanup = flow.throw(KeyboardInterrupt())
     assert cleanup.script is RELEASE_SCRIPT and cleanup.critical
+    assert cleanup.args[0] == "tok.1"
+    with pytest.raises(KeyboardInterrupt):
+        flow.send(ok(1, 0, 0))
+
+
+def test_each_attempt_writes_and_cleans_up_its_own_token() -> None:
+    """Attempt k sends ``<base>.<k>`` and its clean-up releases exactly that token,
+    so a late clean-up of attempt k can never delete attempt k+1's key; the grant
+    (and so the lease and its release) carries the winning attempt's token."""
+    clock = FakeClock()
+    steps: list[Fanout] = []
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        steps.append(step)
+        if step.script is RELEASE_SCRIPT:
+            return ok(*([1] * len(step.nodes or ())))
+        tries = sum(1 for s in steps if s.script is ACQUIRE_SCRIPT)
+        return ok(0, 0, 0, 0, 0) if tries == 3 else ok(0, 0, -1, -1, -1)
+
+    grant, _ = drive(
+        acquire_flow(spec(), "base", "{}", 5.0, clock, lambda: 0), respond, clock
+    )
+    sent = [(s.script.name, s.args[0]) for s in steps]
+    assert sent == [
+        ("acquire", "base.1"),
+        ("release", "base.1"),
+        ("acquire", "base.2"),
+        ("release", "base.2"),
+        ("acquire", "base.3"),
+    ]
+    assert [s.args[1] for s in steps if s.script is RELEASE_SCRIPT] == [
+        release_id("base.1", 1),
+        release_id("base.2", 2),
+    ]
+    assert (grant.token, grant.attempts) == ("base.3", 3)
+
+
+def test_interrupted_later_attempt_cleans_up_that_attempts_token() -> None:
+    """An interruption during attempt 2 releases ``<base>.2``, not attempt 1's."""
+    flow = acquire_flow(spec(3), "base", "{}", 1.0, FakeClock(), lambda: 0)
+    assert flow.send(None).args[0] == "base.1"
+    assert flow.send(ok(0, -1, -1)).args[0] == "base.1"  # attempt 1's clean-up
+    assert isinstance(flow.send(ok(1)), Sleep)
+    assert flow.send(None).args[0] == "base.2"
+    cleanup = flow.throw(KeyboardInterrupt())
+    assert cleanup.script is RELEASE_SCRIPT and cleanup.args[0] == "base.2"
     with pytest.raises(KeyboardInterrupt):
         flow.send(ok(1, 0, 0))
 
@@ -326,7 +374,7 @@ def test_fencing_token_is_one_more_than_the_highest_granting_counter() -> None:
     assert fence.script is FENCE_SCRIPT
     assert fence.nodes == (0, 1, 2, 4)
     assert fence.keys == ("p:lock:r", "p:fence:r")
-    assert fence.args == ("tok", 10)
+    assert fence.args == ("tok.1", 10)
 
 
 def test_fencing_write_back_confirmed_by_a_minority_fails_the_attempt() -> None:
