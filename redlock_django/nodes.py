@@ -25,6 +25,7 @@ is made (before any timed call), and every connection of the pool shares it.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -153,6 +154,22 @@ def async_clients(
                 made.append(redis.asyncio.Redis(connection_pool=pool))
             pools = per_loop[key] = tuple(made)
     return pools
+
+
+def _forget_parent_clients() -> None:
+    """In a forked child: build new pools rather than share the parent's sockets.
+
+    The parent's connections are dropped without a word on them (closing them
+    could disturb the parent's use of the same sockets); the lock is made anew,
+    as a parent thread may have held it at the fork.
+    """
+    global _lock
+    _lock = threading.Lock()
+    _sync.clear()
+    _async.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_clients)
 
 
 def reset() -> None:

@@ -367,6 +367,22 @@ def reset() -> None:
         found.close()
 
 
+def _forget_parent_hubs() -> None:
+    """In a forked child: no hubs, waiters or locks of the parent.
+
+    The parent's reader threads do not exist in the child, a parent thread may
+    have held these locks at the fork, and its waiters are not the child's.
+    """
+    global _hubs_lock, _watching, _watching_lock
+    _hubs.clear()
+    _hubs_lock = threading.Lock()
+    _watching = 0
+    _watching_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parent_hubs)
+
+
 def _on_setting_changed(*, setting: str, **kwargs: object) -> None:
     # New settings mean new pools (nodes.py): the old hubs' readers would listen
     # to nodes no lock uses any more.

@@ -292,3 +292,56 @@ def test_non_finite_retry_timings_are_refused_like_the_settings(
     """``Redlock(retry_delay=nan)`` is refused as ``RETRY_DELAY`` NaN is."""
     with pytest.raises(ValueError, match=name):
         Redlock("bad-timing", **{name: value})
+
+
+def test_a_forked_child_inherits_no_waiters_or_wake_up_readers(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """Forked while a parent thread waits (wake-up readers running): the child
+    counts no waiters of its own, and its own wait on the lock is woken by the
+    parent's release like any other process's."""
+    import threading
+
+    from redlock_django import wake
+
+    holder = Redlock("fork-wake")
+    assert holder.acquire()
+
+    def wait_then_release() -> None:
+        lock = Redlock("fork-wake")
+        if lock.acquire(timeout=5):
+            lock.release()
+
+    waiting = threading.Thread(target=wait_then_release)
+    waiting.start()
+    deadline = time.monotonic() + 5
+    while wake.watching() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert wake.watching() == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        report = [-1, -1, -1]
+        try:
+            report[0] = wake.watching()
+            lock = Redlock("fork-wake", retry_delay=3, retry_jitter=0)
+            began = time.monotonic()
+            report[1] = int(lock.acquire(timeout=6))
+            report[2] = int((time.monotonic() - began) * 1000)
+            lock.release()
+        finally:
+            os.write(write, ",".join(map(str, report)).encode())
+            os._exit(0)
+    os.close(write)
+    time.sleep(0.3)  # the child is waiting now
+    holder.release()
+    waiting.join(10)
+    _, status = os.waitpid(pid, 0)
+    watched, acquired, waited_ms = map(int, os.read(read, 100).decode().split(","))
+    os.close(read)
+    assert status == 0
+    assert watched == 0
+    assert acquired == 1
+    # Woken by a release (the parent's, then its waiting thread's), not by its
+    # 3 s retry timer.
+    assert waited_ms < 2500
