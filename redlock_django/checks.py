@@ -43,6 +43,14 @@ Warnings:
   keeps a granted key until its TTL. Warned even with ``maxmemory 0`` (no limit
   now), since the limit can be set at runtime.
 - W006 (deploy) a node did not answer the deploy check in NODE_TIMEOUT.
+- W007 (deploy) a node does not run with ``appendonly yes`` and ``appendfsync
+  always``: a crash loses its latest writes. For locks the delayed-restart rule
+  (stay down longer than the longest TTL) is the alternative; fencing counters
+  have no TTL, so only ``appendfsync always`` keeps tokens increasing across a
+  restart. ``appendonly`` is read from INFO; ``appendfsync`` needs CONFIG GET,
+  and where CONFIG is refused (ACLs, managed services) a node whose
+  append-only file is on passes: its policy cannot be known, and a warning
+  nobody can act on would only get W007 silenced everywhere.
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ __all__ = [
     "W004",
     "W005",
     "W006",
+    "W007",
     "check_nodes",
     "check_settings",
 ]
@@ -106,6 +115,7 @@ W003 = "redlock.W003"
 W004 = "redlock.W004"
 W005 = "redlock.W005"
 W006 = "redlock.W006"
+W007 = "redlock.W007"
 
 _OBJ = "settings.REDLOCK"
 
@@ -133,7 +143,7 @@ def _node(spec: conf.NodeSpec) -> str:
 def check_nodes(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
-    """Ask every node its role, identity and eviction policy (``--deploy`` only).
+    """Ask every node its role, identity, eviction and persistence (``--deploy``).
 
     Uses the lock's own pools (NODE_TIMEOUT, no retries), one pipelined round
     trip per node. An invalid setting is left to ``check_settings``.
@@ -149,9 +159,14 @@ def check_nodes(
         client = redis.Redis(connection_pool=pool)
         try:
             pipe = client.pipeline(transaction=False)
-            for section in ("server", "replication", "memory"):
+            for section in ("server", "replication", "memory", "persistence"):
                 pipe.info(section)
-            server, replication, memory = pipe.execute()
+            pipe.config_get("appendfsync")
+            *infos, fsync = pipe.execute(raise_on_error=False)
+            for info in infos:
+                if isinstance(info, Exception):
+                    raise info
+            server, replication, memory, persistence = infos
         except (redis.RedisError, OSError) as exc:
             messages.append(
                 Warning(
@@ -207,4 +222,36 @@ def check_nodes(
                     id=W005,
                 )
             )
+        persistent = _persistence(persistence, fsync)
+        if persistent is not None:
+            messages.append(
+                Warning(
+                    f"{_node(spec)} runs with {persistent}: a crash loses its "
+                    "latest writes, the locks it granted and the fencing "
+                    "counters, which have no TTL; a later holder can then get a "
+                    "fencing token no greater than an earlier one",
+                    hint="Run lock nodes with appendonly yes and appendfsync "
+                    "always. Keeping a restarted node down longer than the "
+                    "longest TTL protects locks, not fencing tokens.",
+                    obj=_OBJ,
+                    id=W007,
+                )
+            )
     return messages
+
+
+def _persistence(persistence: dict[str, Any], fsync: object) -> str | None:
+    """Describe a node's persistence unless it is ``appendfsync always``.
+
+    None also when the append-only file is on but CONFIG GET was refused.
+    """
+    if not int(persistence.get("aof_enabled", 0)):
+        return "appendonly no"
+    if not isinstance(fsync, dict):
+        return None
+    policy = next(iter(fsync.values()), b"")
+    if isinstance(policy, bytes):
+        policy = policy.decode(errors="replace")
+    if policy == "always":
+        return None
+    return f"appendonly yes and appendfsync {policy or '?'}"

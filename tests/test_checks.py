@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from django.apps import apps
 from django.core import checks as django_checks
 from django.core.management import call_command
@@ -314,11 +315,19 @@ def test_manage_py_check_prints_warnings_without_failing(settings: Any) -> None:
 # Deploy checks: they ask the real nodes (scenario 15 of the fault matrix).
 
 
-def deploy_run(tally: Any, expected: list[str]) -> list[django_checks.CheckMessage]:
-    """Run check_nodes once, count it in the matrix, compare the ids."""
+def deploy_run(
+    tally: Any, expected: list[str], *, persistence: bool = False
+) -> list[django_checks.CheckMessage]:
+    """Run check_nodes once, count it in the matrix, compare the ids.
+
+    The session's nodes persist nothing (``--appendonly no``), so each gets a
+    W007; those are left out unless ``persistence`` is set.
+    """
     start = time.monotonic()
     messages = checks.check_nodes(None)
     took = time.monotonic() - start
+    if not persistence:
+        messages = [message for message in messages if message.id != checks.W007]
     got = [message.id or "" for message in messages]
     tally.add(1, int(got == expected), [took])
     assert got == expected, messages
@@ -328,8 +337,9 @@ def deploy_run(tally: Any, expected: list[str]) -> list[django_checks.CheckMessa
 def test_deploy_check_passes_five_independent_masters(
     redlock_settings: dict[str, Any], matrix: Any
 ) -> None:
-    """The test nodes are five masters with noeviction: no message."""
+    """The test nodes are five masters with noeviction: no message but W007."""
     deploy_run(matrix(15), [])
+    deploy_run(matrix(15), [checks.W007] * 5, persistence=True)
 
 
 def test_a_replica_node_is_a_deploy_error(
@@ -427,6 +437,66 @@ def test_deploy_check_with_nodes_down_is_bounded_by_the_node_timeout(
         took = time.monotonic() - start
     assert took < 2 * 5 * 0.1 + 1.0
     assert "did not answer the deploy check: timed out" in messages[1].msg
+
+
+def test_a_node_without_appendfsync_always_is_a_deploy_warning(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: Any,
+    make_nodes: Any,
+    tmp_path: Path,
+    matrix: Any,
+) -> None:
+    """Only appendonly yes with appendfsync always passes: W007 names the node
+    and its setting, and says what a restart loses (fencing counters too)."""
+    [always] = make_nodes(1, appendfsync_always=True)
+    everysec = RedisNode(
+        tmp_path / "everysec",
+        appendfsync_always=True,
+        extra_args=["--appendfsync", "everysec"],
+    )
+    everysec.start()
+    try:
+        settings.REDLOCK = {
+            **redlock_settings,
+            "NODES": [always.url, nodes[0].url, everysec.url],
+        }
+        off, lazy = deploy_run(matrix(15), [checks.W007, checks.W007], persistence=True)
+    finally:
+        everysec.stop()
+    assert isinstance(off, django_checks.Warning)
+    assert off.msg.startswith(
+        f"REDLOCK['NODES'][1] {nodes[0].url} runs with appendonly no: "
+    )
+    assert lazy.msg.startswith(
+        f"REDLOCK['NODES'][2] {everysec.url} runs with appendonly yes and "
+        "appendfsync everysec: "
+    )
+    assert "fencing" in off.msg
+    assert "appendfsync always" in (off.hint or "")
+
+
+def test_config_refused_by_acl_leaves_only_what_info_shows(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    make_nodes: Any,
+    matrix: Any,
+) -> None:
+    """CONFIG refused (managed services do that): a node whose INFO shows the
+    append-only file on passes silently, since its fsync policy is unknown; one
+    without it still gets W007."""
+    [always] = make_nodes(1, appendfsync_always=True)
+    [off] = make_nodes(1)
+    for node in (always, off):
+        with node.client() as client:
+            client.acl_setuser(
+                "default", enabled=True, nopass=True, categories=["-@admin"]
+            )
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.config_get("appendfsync")
+    settings.REDLOCK = {**redlock_settings, "NODES": [always.url, off.url]}
+    [message] = deploy_run(matrix(15), [checks.W007], persistence=True)
+    assert message.msg.startswith(f"REDLOCK['NODES'][1] {off.url} runs with ")
 
 
 def test_deploy_check_registered_for_deploy_only() -> None:
