@@ -1,9 +1,10 @@
 """Products on sale and their orders.
 
 ``Product.fence`` holds the fencing token of the lock holder that last wrote the
-row's stock through ``fenced_update``: a holder whose lease ran out, and whose
-lock has been taken by a newer holder since, carries an older token and its
-write is refused. ``Order`` rows are unique per (product, customer): the database
+row's stock through ``fenced_update``. The write compares it with the token read
+with the stock: a holder whose lease ran out is refused once a newer holder has
+written the row, and of two holders that read the same stock only the first to
+write sells. ``Order`` rows are unique per (product, customer): the database
 itself forbids a second order by the same customer for the same product.
 """
 

@@ -9,21 +9,22 @@
    product lock (waiting up to ``REDLOCK["WAIT_TIMEOUT"]``; 423 / 503 JSON from the
    decorator), then ``Redlock("shop:customer:<customer>")`` the customer lock,
    always in that order, so two locks never wait for each other crosswise.
-3. Under both: read the stock, refuse (409 ``already_ordered`` / ``sold_out``),
-   spend ``SHOP_WORK_SECONDS`` of "payment", then in one transaction write
-   ``stock = <read value> - quantity`` with ``fenced_update`` and create the
-   order. A refused fenced write (a newer holder of the product lock wrote the
-   row: this one's lease ran out while it worked) is a 409 ``stale_lock`` and
-   creates no order. 201 ``{"order": {...}, "stock": <left>}``.
+3. Under both: read the product row (its stock and fencing token, in one
+   query), refuse (409 ``already_ordered`` / ``sold_out``), spend
+   ``SHOP_WORK_SECONDS`` of "payment", then in one transaction write ``stock =
+   <read value> - quantity`` with ``fenced_update`` and create the order. A
+   refused write is a 409 ``stale_lock`` and creates no order. 201 ``{"order":
+   {...}, "stock": <left>}``.
 
-What fencing covers. The write stores ``<read value> - quantity`` only where the
-row's token is older than this holder's. A holder paused past its lease, whose
-successor has written since, is refused: it cannot put back a stale stock. It
-does not cover a paused holder that resumes inside its successor's window, after
-the successor read the stock and before it wrote: the late write lands (no newer
-token is on the row yet) and the successor's write, computed from the earlier
-read, overwrites it. That takes a pause longer than the lease ending within the
-few milliseconds of someone else's payment.
+The fenced write is a compare-and-set: it stores ``<read value> - quantity`` only
+where the row still holds the token read with the stock, and that token is
+older than this holder's. A lease can run out during a purchase (a pause: GC,
+swap, SIGSTOP) and another buyer then takes the lock, so two purchases can
+overlap. If the newer one wrote first, the older token is refused; if both read
+the same stock, the first to write sells and the other's read no longer matches.
+Either way no stale stock is written back and no unit is sold twice, however the
+pause falls. The refusal comes after the payment: a real shop would refund it,
+since the token guards the database, not the payment provider.
 
 ``POST /shop/products/<id>/buy-unsafe/``: the same steps with no lock and an
 unfenced write of the absolute value: concurrent buyers read the same stock and
@@ -266,17 +267,20 @@ def _sell(lock: Redlock, product_id: int, customer: str, quantity: int) -> JsonR
     checked = _check_order(product_id, customer, quantity)
     if isinstance(checked, JsonResponse):
         return checked
-    product = checked
+    product = checked  # read under the lock, with its fencing token
     _work()
     token = lock.fencing_token
     try:
         with transaction.atomic():
+            # Compared with the token read with the stock: refused if the row was
+            # written since, or holds a newer token.
             if not fenced_update(product, lock, stock=product.stock - quantity):
                 return _error(
                     409,
                     "stale_lock",
-                    "the product lock expired during the purchase and a newer "
-                    "holder wrote the stock; nothing was sold",
+                    "the stock was written after this purchase read it, or by a "
+                    "newer holder of the product lock (a lease ran out during a "
+                    "purchase); nothing was sold",
                     fencing_token=token,
                 )
             order = Order.objects.create(

@@ -8,6 +8,11 @@ the other server, takes the expired lock and sells. When A resumes it writes the
 stock it computed from its stale read: the fenced write is refused (409
 stale_lock), A gets no order, and the stock reflects B's sale only. Through the
 unfenced write of ``buy-unsafe`` the same sequence overwrites B's sale.
+
+The other order: A is frozen in its payment, B buys the last unit and is frozen
+in its payment too, A resumes and writes, then B. The write is a compare-and-set
+on the token read with the stock: A's lands, B's is refused (409 stale_lock, no
+order). Through the write fenced by the token only (a test-only view) both land.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 import pytest
 
 from tests._nodes import NodeSet
-from tests.test_shop import ShopServers, request, shop_servers
+from tests.test_shop import ROOT, ShopServers, request, shop_servers
 
 __all__ = ["shop_servers"]  # the fixture, imported for the tests below
 
@@ -172,3 +177,91 @@ def test_a_buyer_frozen_mid_view_past_its_lease_cannot_write_the_stock(
     assert (a_status, a_body["error"]) == (409, "stale_lock"), a_body
     code, report = _audit(shop_servers, product_id)
     assert (code, report["orders"], report["stock"], report["oversold"]) == (0, 1, 9, 0)
+
+
+#: shop.settings serving tests/urls.py as well, for the test-only view.
+SHOP_WITH_TEST_VIEWS = """\
+from shop.settings import *  # noqa: F403
+
+INSTALLED_APPS = [*INSTALLED_APPS, "tests"]  # noqa: F405
+ROOT_URLCONF = "tests.urls"
+"""
+
+
+def _paying(pid: int) -> bool:
+    """Whether the worker's main thread sleeps in time.sleep: the payment."""
+    return "nanosleep" in Path(f"/proc/{pid}/wchan").read_text()
+
+
+@pytest.mark.skipif(
+    not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists()
+    or not Path(f"/proc/{os.getpid()}/wchan").exists(),
+    reason="needs Linux /proc to find the gunicorn workers and see them sleep",
+)
+@pytest.mark.parametrize(
+    "path",
+    ["shop/products/{id}/buy/", "views/shop/{id}/buy-by-token-only/"],
+    ids=["buy", "negative-control-token-only"],
+)
+@pytest.mark.django_db(transaction=True)
+def test_a_buyer_frozen_in_payment_and_its_successor_sell_the_last_unit_once(
+    shop_servers: ShopServers, nodes: NodeSet, path: str
+) -> None:
+    """A pays for the last unit (0.8 s, inside its 1.5 s lease) and is SIGSTOPped
+    past its lease; B buys it on the other server and is SIGSTOPped in its
+    payment; A resumes and writes, then B. A sells; B gets 409 stale_lock and no
+    order: the stock was written after B read it. The negative control (the
+    token-only write) sells the unit twice.
+    """
+    control = "by-token-only" in path
+    env: dict[str, str] = {"SHOP_WORK_MS": "800"}
+    if control:
+        (shop_servers.tmp_path / "shop_with_test_views.py").write_text(
+            SHOP_WITH_TEST_VIEWS
+        )
+        env.update(
+            DJANGO_SETTINGS_MODULE="shop_with_test_views",
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(shop_servers.tmp_path)]),
+        )
+    slow = shop_servers.start(workers=1, REDLOCK_TTL="1.5", **env)
+    fast = shop_servers.start(workers=1, **env)
+    worker_a, worker_b = (_children(p.pid)[0] for p in shop_servers.processes)
+    product_id = _seed(shop_servers, 1)
+    key = LOCK_KEY.format(id=product_id)
+    url = path.format(id=product_id)
+    a_thread, a_reply = _in_background(
+        f"{slow}/{url}", {"customer": "a", "quantity": 1}
+    )
+    b_thread: threading.Thread | None = None
+    try:
+        _wait_for(
+            lambda: _held_on(nodes, key) >= 3 and _paying(worker_a), 10, "A to pay"
+        )
+        os.kill(worker_a, signal.SIGSTOP)
+        _wait_for(lambda: _held_on(nodes, key) == 0, 10, "A's lease to run out")
+        b_thread, b_reply = _in_background(
+            f"{fast}/{url}", {"customer": "b", "quantity": 1}
+        )
+        _wait_for(
+            lambda: _held_on(nodes, key) >= 3 and _paying(worker_b), 10, "B to pay"
+        )
+        os.kill(worker_b, signal.SIGSTOP)
+        os.kill(worker_a, signal.SIGCONT)
+        a_thread.join(30)
+        assert a_reply, "A did not answer"
+    finally:
+        os.kill(worker_a, signal.SIGCONT)
+        os.kill(worker_b, signal.SIGCONT)
+        a_thread.join(30)
+        if b_thread is not None:
+            b_thread.join(30)
+    (a_status, a_body), (b_status, b_body) = a_reply[0], b_reply[0]
+    assert a_status == 201, a_body
+    code, report = _audit(shop_servers, product_id)
+    if control:
+        assert b_status == 201, b_body
+        assert (code, report["orders"], report["oversold"]) == (1, 2, 1), report
+        return
+    assert (b_status, b_body.get("error")) == (409, "stale_lock"), b_body
+    assert b_body["fencing_token"] > a_body["order"]["fencing_token"]
+    assert (code, report["orders"], report["stock"], report["oversold"]) == (0, 1, 0, 0)

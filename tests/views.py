@@ -1,4 +1,5 @@
-"""Views locked with ``distributed_lock`` for tests/test_decorators.py.
+"""Views locked with ``distributed_lock`` for tests/test_decorators.py, and the
+shop's purchase with its old stock write for tests/test_shop_fencing.py.
 
 Every view body appends its name to ``CALLS`` and runs the callables in ``PROBES``
 while it holds its lock, so a test can look at the nodes from inside the view.
@@ -20,8 +21,15 @@ from django.utils.decorators import method_decorator
 from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 
-from redlock_django import LockContentionError, QuorumUnavailableError, Redlock
+from redlock_django import (
+    LockContentionError,
+    QuorumUnavailableError,
+    Redlock,
+    fenced_update,
+)
 from redlock_django.decorators import DistributedLockMixin, distributed_lock
+from shop import views as shop_views
+from shop.models import Order, Product
 from tests.models import Counter
 
 CALLS: list[str] = []
@@ -262,6 +270,46 @@ def bump_then_roll_back(request: HttpRequest, name: str) -> HttpResponse:
     return JsonResponse({"value": value})
 
 
+# The shop's purchase with the stock write it had before the compare-and-set, for
+# the negative control of tests/test_shop_fencing.py: fenced by the token only.
+
+
+@csrf_exempt
+@transaction.non_atomic_requests
+def shop_buy_by_token_only(request: HttpRequest, product_id: int) -> HttpResponse:
+    """``/shop/products/<id>/buy/`` whose write does not compare the read token."""
+    checked = shop_views._prelude(request, product_id)
+    if isinstance(checked, JsonResponse):
+        return checked
+    customer, quantity = checked
+    response: HttpResponse = _shop_sell_by_token_only(
+        request, product_id=product_id, customer=customer, quantity=quantity
+    )
+    return response
+
+
+@distributed_lock(shop_views._product_resource, fencing=True)
+def _shop_sell_by_token_only(
+    request: HttpRequest, product_id: int, customer: str, quantity: int
+) -> HttpResponse:
+    lock: Redlock = request.redlock  # type: ignore[attr-defined]
+    product = shop_views._check_order(product_id, customer, quantity)
+    if isinstance(product, JsonResponse):
+        return product
+    shop_views._work()
+    with transaction.atomic():
+        row = Product.objects.filter(pk=product.pk)
+        if not fenced_update(row, lock, stock=product.stock - quantity):
+            return JsonResponse({"error": "stale_lock"}, status=409)
+        order = Order.objects.create(
+            product=product,
+            customer=customer,
+            quantity=quantity,
+            fencing_token=lock.fencing_token,
+        )
+    return JsonResponse({"order": order.as_json()}, status=201)
+
+
 urlpatterns = [
     path("sync/<str:item>/", sync_item),
     path("async/<str:item>/", async_item),
@@ -286,4 +334,5 @@ urlpatterns = [
     path("bump/<str:name>/", bump),
     path("bump-early/<str:name>/", bump_release_before_commit),
     path("bump-rollback/<str:name>/", bump_then_roll_back),
+    path("shop/<int:product_id>/buy-by-token-only/", shop_buy_by_token_only),
 ]
