@@ -66,6 +66,21 @@ def commit_fails(request: HttpRequest, name: str) -> HttpResponse:
     return HttpResponse("written")
 
 
+#: ``commit_fails_late`` sets ENTERED_SYNC once it holds its lock, then waits
+#: for the test to open GATE.
+ENTERED_SYNC = threading.Event()
+GATE = threading.Event()
+
+
+@csrf_exempt
+@distributed_lock("release:{name}", ttl=TTL, auto_extend=True, timeout=0.5)
+def commit_fails_late(request: HttpRequest, name: str) -> HttpResponse:
+    ENTERED_SYNC.set()
+    GATE.wait(10)
+    _violate_deferred_foreign_key()
+    return HttpResponse("written")
+
+
 def _replaced(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
     """Roll back and answer with a new response, as some middleware does."""
 
@@ -105,6 +120,7 @@ def _done(request: HttpRequest, name: str) -> HttpResponse:
 
 urlpatterns = [
     path("commit-fails/<str:name>/", commit_fails),
+    path("commit-fails-late/<str:name>/", commit_fails_late),
     path("replaced/<str:name>/", rolled_back_and_replaced),
     path("sleeps/<str:name>/", sleeps_holding),
     path("plain/", plain),
@@ -374,3 +390,48 @@ async def test_client_disconnect_frees_the_async_views_lock_at_once(
     elapsed = time.monotonic() - started
     assert sent == []
     assert _keys(nodes, "release:a") == [False] * len(nodes), elapsed
+
+
+async def _request_task_cancelled() -> None:
+    """Wait until ASGIHandler's task running the request is done (cancelled)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        running = [
+            task
+            for task in asyncio.all_tasks()
+            if getattr(task.get_coro(), "__qualname__", "").endswith("process_request")
+        ]
+        if not running:
+            return
+        assert time.monotonic() < deadline, running
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_client_gone_while_a_sync_view_runs_frees_the_lock_after_it_ends(
+    nodes: Any, redlock_settings: dict[str, Any], atomic_requests: None
+) -> None:
+    """The disconnect cancels the handler's task, not the sync view's thread.
+
+    The view goes on and its COMMIT fails; Django then sends request_finished
+    through the request's thread-sensitive executor, on the view's thread, once
+    the view is done: the lock is free when the handler returns.
+    """
+    ENTERED_SYNC.clear()
+    GATE.clear()
+    disconnect = asyncio.Event()
+    request = asyncio.ensure_future(_asgi("POST", "/commit-fails-late/d/", disconnect))
+    try:
+        assert await asyncio.to_thread(ENTERED_SYNC.wait, 5)
+        disconnect.set()
+        await _request_task_cancelled()
+        assert not request.done()  # waiting for the view's thread
+    finally:
+        GATE.set()
+    try:
+        sent = await asyncio.wait_for(request, 10)
+        assert sent == []
+        assert _keys(nodes, "release:d") == [False] * len(nodes)
+        assert _watchdogs("release:d") == []
+    finally:
+        await sync_to_async(connections.close_all)()
