@@ -46,6 +46,10 @@ from .scripts import (
 EXPIRE_PRECISION = 0.002
 #: The error of a node whose reply was not waited for: a quorum had already won.
 UNAWAITED = "not waited for: a quorum had answered"
+#: The start of the error of a node whose reply a driver could not wait for fairly:
+#: the client itself ran late (a busy event loop, a starved thread), so the missing
+#: reply says nothing about the node. Such failures never count towards an outage.
+LATE = "client ran late"
 
 Clock = Callable[[], float]
 Random = Callable[[], float]
@@ -299,6 +303,13 @@ def acquire_flow(
     once when too few nodes answer to ever make a quorum (an outage: waiting would
     not help), or when the wait runs out while nodes answer too slowly for any
     validity to be left.
+
+    A node whose reply the driver marks ``LATE`` (the client itself resumed too
+    late to judge it) is not counted as failed for the outage rule: only replies
+    that really failed can make ``QuorumUnavailableError``. An attempt that missed
+    the quorum because of lateness is retried while the wait lasts; when the wait
+    runs out on one, ``LockContentionError`` says the client ran late (HTTP 423,
+    "try again"), since nothing showed that a majority is down.
     """
     every = tuple(range(spec.node_count))
     keys = (spec.key,) if spec.fence_key is None else (spec.key, spec.fence_key)
@@ -361,7 +372,9 @@ def acquire_flow(
         )
         if suspect:
             yield _cleanup(spec, mine, attempt, suspect)
-        if len(failed) > spec.node_count - spec.quorum:
+        most = spec.node_count - spec.quorum
+        down = sum(1 for why in failed.values() if not why.startswith(LATE))
+        if down > most:
             raise _error(
                 QuorumUnavailableError,
                 spec,
@@ -374,7 +387,12 @@ def acquire_flow(
             if len(won) >= spec.quorum:
                 why = f"nodes answered too slowly for a {spec.ttl:g}s lease"
                 raise _error(QuorumUnavailableError, spec, why, len(won), failed)
-            why = "held by another owner" if wait else "held by another owner, no wait"
+            if len(failed) > most:
+                why = "the client ran late for the nodes' replies (a busy process)"
+            elif wait:
+                why = "held by another owner"
+            else:
+                why = "held by another owner, no wait"
             raise _error(LockContentionError, spec, why, len(won), failed)
         delay = retry_delay(spec, rand)
         if deadline is not None:

@@ -13,6 +13,7 @@ from redlock_django.exceptions import (
     QuorumUnavailableError,
 )
 from redlock_django.protocol import (
+    LATE,
     Fanout,
     Lease,
     LockSpec,
@@ -512,3 +513,88 @@ def test_watchdog_stops_extending_at_max_hold() -> None:
     assert lease.valid_until <= 1000.0 + 7.0
     assert len(extensions) >= 3
     assert extensions[-1].args[1] < 3000  # the last lease was shortened to the cap
+
+
+# A client that ran late (issue 10, hole 8): its own delay is not an outage.
+
+
+def late(detail: str = "52 ms after its deadline") -> NodeReply:
+    """The reply a driver gives for a node it could not wait for fairly."""
+    return NodeReply(error=f"{LATE}: {detail}")
+
+
+def test_a_client_that_ran_late_retries_instead_of_reporting_an_outage() -> None:
+    """Three of five replies missing only because the client itself resumed late
+    are no evidence that nodes are down: the attempt is cleaned up and retried,
+    and the retry wins."""
+    clock = FakeClock()
+    attempts = iter([[NodeReply(0), NodeReply(0), late(), late(), late()]])
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        clock.now += 0.06
+        if step.script is RELEASE_SCRIPT:
+            return [NodeReply(1)] * len(step.nodes or range(5))
+        return next(attempts, ok(0, 0, 0, 0, 0))
+
+    grant, steps = drive(
+        acquire_flow(spec(), "tok", "{}", 20.0, clock, lambda: 0), respond, clock
+    )
+    assert grant.attempts == 2
+    assert [type(s).__name__ for s in steps] == ["Fanout", "Fanout", "Sleep", "Fanout"]
+    # The late attempt is cleaned up everywhere: its writes may have landed.
+    assert steps[1].script is RELEASE_SCRIPT and steps[1].nodes == (0, 1, 2, 3, 4)
+    # Validity is still counted from the winning attempt's own start.
+    assert grant.started == pytest.approx(1000.0 + 0.06 * 2 + 0.1)
+
+
+def test_late_attempts_until_the_wait_ends_raise_contention_not_an_outage() -> None:
+    """When every attempt of the wait was late, the caller gets
+    LockContentionError saying the client ran late, never QuorumUnavailableError
+    (a 503 claiming the nodes are down)."""
+    clock = FakeClock()
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        clock.now += 0.06
+        if step.script is RELEASE_SCRIPT:
+            return [NodeReply(1)] * len(step.nodes or range(5))
+        return [NodeReply(0), NodeReply(error="timed out"), late(), late(), late()]
+
+    with pytest.raises(LockContentionError) as info:
+        drive(acquire_flow(spec(), "tok", "{}", 1.0, clock, lambda: 0), respond, clock)
+    assert not isinstance(info.value, QuorumUnavailableError)
+    assert "ran late" in str(info.value)
+    assert clock.now >= 1001.0
+
+
+def test_a_non_blocking_late_attempt_raises_contention() -> None:
+    """A single attempt (no wait) that was late is not an outage either."""
+    clock = FakeClock()
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        if step.script is RELEASE_SCRIPT:
+            return [NodeReply(1)] * len(step.nodes or range(5))
+        return [NodeReply(0), late(), late(), late(), late()]
+
+    with pytest.raises(LockContentionError) as info:
+        drive(acquire_flow(spec(), "tok", "{}", 0, clock, lambda: 0), respond, clock)
+    assert not isinstance(info.value, QuorumUnavailableError)
+
+
+def test_a_majority_that_really_failed_fails_fast_even_if_the_client_was_late() -> None:
+    """Lateness excuses only the replies it concerns: three nodes that timed out
+    or refused (a real majority) still raise QuorumUnavailableError at once."""
+    clock = FakeClock()
+    steps: list[Any] = []
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        steps.append(step)
+        if step.script is RELEASE_SCRIPT:
+            return [NodeReply(1)] * len(step.nodes or range(5))
+        down = NodeReply(error="timed out")
+        return [late(), down, down, NodeReply(error="ConnectionError: refused"), late()]
+
+    with pytest.raises(QuorumUnavailableError) as info:
+        drive(acquire_flow(spec(), "tok", "{}", 60.0, clock, lambda: 0), respond, clock)
+    assert len(info.value.failed) == 5
+    assert [s.script for s in steps] == [ACQUIRE_SCRIPT, RELEASE_SCRIPT]
+    assert clock.now == 1000.0
