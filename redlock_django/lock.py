@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
@@ -177,6 +177,16 @@ class _Hold:
     lost_reported: bool = False
     #: Release fan-outs started; a retry finds the keys its first try deleted.
     releases: int = 0
+    #: Held through every extension of this hold (manual or by the watchdog), so
+    #: they never overlap: the lease is always the one the nodes applied last.
+    extending: threading.Lock = field(default_factory=threading.Lock)
+    _aextending: asyncio.Lock | None = None
+
+    def aextending(self) -> asyncio.Lock:
+        """The asyncio twin of ``extending``, for holds taken by a task."""
+        if self._aextending is None:
+            self._aextending = asyncio.Lock()
+        return self._aextending
 
 
 def _report_lost(hold: _Hold, reason: str) -> None:
@@ -333,6 +343,9 @@ class _Watchdog:
         self._valid_until = hold.lease.valid_until
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
+        #: Whether this watchdog holds its hold's ``extending`` lock (it does from
+        #: the end of each sleep until the next one: around its extensions).
+        self._extending = False
 
     def _flow(self) -> Any:
         config = self.hold.config
@@ -385,8 +398,9 @@ class _Watchdog:
 
     def _note_extension(self) -> None:
         lease = self.hold.lease
-        if lease.valid_until != self._valid_until:
-            self._valid_until = lease.valid_until
+        grown = lease.valid_until > self._valid_until
+        self._valid_until = lease.valid_until
+        if grown:
             signals.lock_extended.send(
                 sender=Redlock,
                 lock=self.hold.lock,
@@ -394,15 +408,36 @@ class _Watchdog:
                 validity=lease.valid_until - _clock(),
             )
 
+    def _let_go(self) -> None:
+        """Let manual extensions run again (the watchdog is about to sleep)."""
+        if self._extending:
+            self._extending = False
+            if self._task is not None:
+                self.hold.aextending().release()
+            else:
+                self.hold.extending.release()
+
     def _sleep(self, seconds: float) -> None:
+        self._let_go()
         self._note_extension()
         if self._stop.wait(seconds) or self._owner_gone():
             raise _Stopped
+        # A manual extend() under way finishes first; the flow then reads the
+        # lease it left.
+        self.hold.extending.acquire()
+        self._extending = True
+        if self._stop.is_set():
+            raise _Stopped
 
     async def _asleep(self, seconds: float) -> None:
+        self._let_go()
         self._note_extension()
         await asyncio.sleep(seconds)
         if self._stop.is_set() or self._owner_gone():
+            raise _Stopped
+        await self.hold.aextending().acquire()
+        self._extending = True
+        if self._stop.is_set():
             raise _Stopped
 
     def _run_thread(self) -> None:
@@ -415,6 +450,8 @@ class _Watchdog:
         except Exception:
             self._crashed()
             return
+        finally:
+            self._let_go()
         self._report()
 
     # asyncio: a task, cancelled when stopped.
@@ -436,6 +473,8 @@ class _Watchdog:
         except Exception:
             self._crashed()
             return
+        finally:
+            self._let_go()
         self._report()
 
     def halt(self) -> None:
@@ -853,9 +892,10 @@ class Redlock:
         hold = self._owned(owner, "extend")
         config = hold.config
         check_seconds("ttl", ttl, allow_none=True)
-        flow = self._extend_flow(hold, ttl)
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
-        return self._extended(hold, sync.run(flow, pools, config.node_timeout))
+        with hold.extending:  # one extension of a hold at a time
+            flow = self._extend_flow(hold, ttl)
+            return self._extended(hold, sync.run(flow, pools, config.node_timeout))
 
     def locked(self) -> bool:
         """Return whether anyone holds the lock on a quorum of nodes."""
@@ -874,17 +914,12 @@ class Redlock:
                 quorum=config.spec.quorum,
             )
         return extend_flow(
-            config.spec,
-            hold.lease.token,
-            config.spec.ttl if ttl is None else ttl,
-            hold.lease.valid_until,
-            _clock,
+            config.spec, hold.lease, config.spec.ttl if ttl is None else ttl, _clock
         )
 
     def _extended(self, hold: _Hold, extension: Extension) -> bool:
         if extension.valid_until is None:
             return False
-        hold.lease.valid_until = extension.valid_until
         signals.lock_extended.send(
             sender=Redlock,
             lock=self,
@@ -983,9 +1018,11 @@ class Redlock:
         hold = self._owned(owner, "extend")
         config = hold.config
         check_seconds("ttl", ttl, allow_none=True)
-        flow = self._extend_flow(hold, ttl)
         clients = nodes.async_clients(config.nodes, config.node_timeout)
-        return self._extended(hold, await aio.run(flow, clients, config.node_timeout))
+        async with hold.aextending():  # one extension of a hold at a time
+            flow = self._extend_flow(hold, ttl)
+            extension = await aio.run(flow, clients, config.node_timeout)
+        return self._extended(hold, extension)
 
     async def alocked(self) -> bool:
         """Return whether anyone holds the lock; see ``locked()``."""

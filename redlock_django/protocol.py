@@ -191,6 +191,8 @@ class Lease:
     fencing_token: int | None = None
     #: Why the lease was lost (an extension failed or it ran out), else None.
     lost: str | None = None
+    #: Extensions sent so far; each carries the next number (``extend_flow``).
+    extensions: int = 0
 
 
 def quorum(node_count: int) -> int:
@@ -403,29 +405,36 @@ def acquire_flow(
 
 
 def extend_flow(
-    spec: LockSpec, token: str, ttl: float, valid_until: float, clock: Clock
+    spec: LockSpec, lease: Lease, ttl: float, clock: Clock
 ) -> Generator[Step, Any, Extension]:
     """Reset the lease to ``ttl`` seconds on every node that still has our token.
 
     It counts only if a quorum confirms before the current lease runs out; a lease
-    that already ran out raises ``LockLostError`` without any network call, because
-    reviving it could overlap a holder that came in between.
+    that already ran out (or was lost) raises ``LockLostError`` without any network
+    call, because reviving it could overlap a holder that came in between. The
+    flow updates ``lease.valid_until`` itself, so that it always reflects the lease
+    the nodes applied last. Extensions of one hold must not overlap (the caller
+    runs one at a time); each is numbered, and nodes refuse one older than the last
+    they applied, so a late one never replaces a later lease. One that a quorum did
+    not confirm may still have landed: the lease can only shrink to its end then.
     """
     if ttl <= 0:
         raise ValueError(f"ttl must be a positive number of seconds, not {ttl!r}")
     start = clock()
-    if start >= valid_until:
+    if lease.lost is not None or start >= lease.valid_until:
+        why = lease.lost or "its lease already ran out"
         raise LockLostError(
-            f"cannot extend {spec.resource!r}: its lease already ran out",
+            f"cannot extend {spec.resource!r}: {why}",
             resource=spec.resource,
             nodes=spec.node_count,
             quorum=spec.quorum,
         )
+    lease.extensions += 1
     every = tuple(range(spec.node_count))
     replies: Replies = yield Fanout(
         EXTEND_SCRIPT,
         (spec.key,),
-        (token, ttl_ms(ttl)),
+        (lease.token, ttl_ms(ttl), lease.extensions),
         need=spec.quorum,
         wins=confirmed,
     )
@@ -433,8 +442,11 @@ def extend_flow(
     confirms = sum(1 for r in replies if confirmed(r.value))
     failed = _failed(spec, replies, every)
     fresh = validity(ttl, now - start, spec.drift_factor)
-    if confirms >= spec.quorum and fresh > 0 and now < valid_until:
-        return Extension(confirms, start + ttl - drift(ttl, spec.drift_factor), failed)
+    ends = start + ttl - drift(ttl, spec.drift_factor)
+    if confirms >= spec.quorum and fresh > 0 and now < lease.valid_until:
+        lease.valid_until = ends
+        return Extension(confirms, ends, failed)
+    lease.valid_until = min(lease.valid_until, ends)
     return Extension(confirms, None, failed)
 
 
@@ -501,14 +513,12 @@ def watchdog_flow(
                     return
                 ttl, last = cap, True
         try:
-            extension = yield from extend_flow(
-                spec, lease.token, ttl, lease.valid_until, clock
-            )
+            extension = yield from extend_flow(spec, lease, ttl, clock)
         except LockLostError:
-            lease.lost = "its lease ran out before the watchdog could extend it"
+            if lease.lost is None:
+                lease.lost = "its lease ran out before the watchdog could extend it"
             return
         if extension.valid_until is not None:
-            lease.valid_until = extension.valid_until
             if last:
                 return
             continue

@@ -116,19 +116,29 @@ return deleted
 )
 
 # KEYS[1] lock key
-# ARGV[1] token; ARGV[2] new lease in ms
+# ARGV[1] token; ARGV[2] new lease in ms; ARGV[3] (optional) the extension's number
+# in its hold (1, 2, ...), kept on the lock as ``ext``
 # returns 1 when our token still held the key and its lease was reset, else 0. A key
-# that expired is never re-created, so an extension cannot revive a lost lock.
+# that expired is never re-created, so an extension cannot revive a lost lock. An
+# extension numbered below the last one applied is refused (0): one delayed in the
+# network must not replace a later lease with its own, maybe shorter, one.
 EXTEND_SCRIPT = Script(
     "extend",
     """
 """
     + _READ_OWNER
     + """
-if owner == ARGV[1] then
-  return redis.call('pexpire', KEYS[1], ARGV[2])
+if owner ~= ARGV[1] then
+  return 0
 end
-return 0
+if ARGV[3] then
+  local applied = tonumber(redis.call('hget', KEYS[1], 'ext') or '0') or 0
+  if tonumber(ARGV[3]) < applied then
+    return 0
+  end
+  redis.call('hset', KEYS[1], 'ext', ARGV[3])
+end
+return redis.call('pexpire', KEYS[1], ARGV[2])
 """,
 )
 

@@ -19,7 +19,12 @@ connection and to the ones accepted later:
   back the next request chunk that contains ``match``, and what follows it on its
   connection, then deliver it on demand, even after the client closed that
   connection: a segment stuck in the network, retransmitted after the client
-  gave up, still reaches the node. ``deliver_held`` returns the node's reply.
+  gave up, still reaches the node. ``deliver_held`` returns the node's reply;
+- ``hold_reply_to(match)`` / ``release_held_replies()`` (an action, beside any
+  mode): forward every request at once, but hold back the reply to each request
+  chunk that contains ``match`` (and what follows it on its connection) until
+  released: that client's command has run on the node, its answer is late, and
+  other connections are not slowed at all.
 
 A chunk is whatever one read returned, so a "request" is one read from a client:
 a redis-py command (or pipeline) is written at once and arrives as one chunk on
@@ -98,6 +103,10 @@ class _Pipe:
         self.gate = asyncio.Event()
         #: Chunks the node had replied when the held chunk was delivered.
         self.delivered_at: int | None = None
+        #: Replies pipe: the next reply chunk is held (``hold_reply_to``), and the
+        #: chunk held, until the proxy's reply gate opens.
+        self.hold_next = False
+        self.held_reply: tuple[float, bytes] | None = None
 
     async def read_loop(self) -> None:
         try:
@@ -106,6 +115,11 @@ class _Pipe:
                 chunk = (time.monotonic(), data)
                 if not self.replies and self.proxy._claim_hold(self, data):
                     self.held = chunk
+                if not self.replies and self.proxy._claim_reply_hold(data):
+                    self.conn.replies.hold_next = True
+                if self.replies and self.hold_next:
+                    self.hold_next = False
+                    self.held_reply = chunk
                 self.queue.append(chunk)
                 self.pending += 1
                 self.chunks += 1
@@ -135,6 +149,9 @@ class _Pipe:
                 await self.gate.wait()
                 self.held = None
                 self.delivered_at = self.conn.replies.chunks
+            if self.queue[0] is self.held_reply:
+                await self.proxy._reply_gate_open()
+                self.held_reply = None
             arrived, data = self.queue[0]
             action, due = self.proxy._policy(arrived, replies=self.replies)
             if action == _WAIT:
@@ -234,6 +251,10 @@ class FaultProxy:
         self.swallowed_bytes = 0
         #: Request chunks held back by hold_request() and not yet delivered.
         self.held = 0
+        #: Replies held back by hold_reply_to() and not yet released.
+        self.held_replies = 0
+        self._reply_match: bytes | None = None
+        self._reply_gate: asyncio.Event | None = None
         # The hold_request() pattern, armed until a request chunk matches it.
         self._hold_match: bytes | None = None
         self._held_pipe: _Pipe | None = None
@@ -379,6 +400,38 @@ class FaultProxy:
 
         self._call(arm())
 
+    def hold_reply_to(self, match: bytes) -> None:
+        """Hold back the reply to every request chunk containing ``match``.
+
+        The request runs on the node at once; its reply (and whatever follows on
+        that connection) waits until :meth:`release_held_replies`.
+        """
+        if not match:
+            raise ValueError("match must not be empty")
+
+        async def arm() -> None:
+            self._reply_match = match
+            self._reply_gate = asyncio.Event()
+
+        self._call(arm())
+
+    def wait_for_held_replies(
+        self, count: int = 1, timeout: float = CALL_TIMEOUT
+    ) -> bool:
+        """Wait until ``count`` replies are held back; return whether they are."""
+        with self._stats:
+            return self._stats.wait_for(lambda: self.held_replies >= count, timeout)
+
+    def release_held_replies(self) -> None:
+        """Deliver the held replies and stop holding new ones."""
+
+        async def release() -> None:
+            self._reply_match = None
+            if self._reply_gate is not None:
+                self._reply_gate.set()
+
+        self._call(release())
+
     def wait_for_held(self, timeout: float = CALL_TIMEOUT) -> bool:
         """Wait until a request chunk is held back; return whether one is."""
         with self._stats:
@@ -460,6 +513,24 @@ class FaultProxy:
         if due > time.monotonic():
             return _WAIT, due
         return _FORWARD, None
+
+    def _claim_reply_hold(self, data: bytes) -> bool:
+        """Return whether the reply to ``data``, a request chunk, is to be held."""
+        match = self._reply_match
+        if match is None or match not in data:
+            return False
+        with self._stats:
+            self.held_replies += 1
+            self._stats.notify_all()
+        return True
+
+    async def _reply_gate_open(self) -> None:
+        gate = self._reply_gate
+        if gate is not None:
+            await gate.wait()
+        with self._stats:
+            self.held_replies -= 1
+            self._stats.notify_all()
 
     def _claim_hold(self, pipe: _Pipe, data: bytes) -> bool:
         """Return whether ``data``, a request chunk just read, is to be held."""

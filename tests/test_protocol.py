@@ -397,15 +397,19 @@ def test_fencing_write_back_confirmed_by_a_minority_fails_the_attempt() -> None:
     assert info.value.granted == 1
 
 
+def lease(valid_until: float) -> Lease:
+    return Lease("tok", acquired=1000.0, valid_until=valid_until)
+
+
 def test_extend_after_the_lease_ran_out_raises_lost_without_network() -> None:
     clock = FakeClock(2000.0)
-    flow = extend_flow(spec(), "tok", 10.0, valid_until=1999.0, clock=clock)
+    flow = extend_flow(spec(), lease(valid_until=1999.0), 10.0, clock=clock)
     with pytest.raises(LockLostError):
         next(flow)
 
 
 def test_extend_rejects_a_non_positive_ttl_before_sending() -> None:
-    flow = extend_flow(spec(), "tok", 0, valid_until=2000.0, clock=FakeClock())
+    flow = extend_flow(spec(), lease(valid_until=2000.0), 0, clock=FakeClock())
     with pytest.raises(ValueError):
         next(flow)
 
@@ -414,23 +418,28 @@ def test_extend_with_a_quorum_in_time_moves_validity_on() -> None:
     clock = FakeClock()
 
     def respond(step: Fanout) -> list[NodeReply]:
-        assert step.script is EXTEND_SCRIPT and step.args == ("tok", 4000)
+        assert step.script is EXTEND_SCRIPT and step.args == ("tok", 4000, 1)
         clock.now += 0.01
         return ok(1, 1, 1, 0, 0)
 
-    ext, _ = drive(extend_flow(spec(), "tok", 4.0, 1005.0, clock), respond, clock)
+    held = lease(valid_until=1005.0)
+    ext, _ = drive(extend_flow(spec(), held, 4.0, clock), respond, clock)
     assert ext.confirmed == 3
     assert ext.valid_until == pytest.approx(1000.0 + 4.0 - drift(4.0, 0.01))
+    assert held.valid_until == ext.valid_until and held.extensions == 1
 
 
 def test_extend_confirmed_by_a_minority_fails() -> None:
     clock = FakeClock()
+    held = lease(valid_until=1005.0)
     ext, _ = drive(
-        extend_flow(spec(), "tok", 10.0, 1005.0, clock),
+        extend_flow(spec(), held, 10.0, clock),
         lambda s: ok(1, 1, 0, 0, 0),
         clock,
     )
     assert ext.valid_until is None and ext.confirmed == 2
+    # It may still have landed on some nodes, with a longer lease: no change.
+    assert held.valid_until == 1005.0
 
 
 def test_extend_whose_replies_arrive_after_the_old_lease_ended_fails() -> None:
@@ -440,8 +449,41 @@ def test_extend_whose_replies_arrive_after_the_old_lease_ended_fails() -> None:
         clock.now += 6.0  # past the old valid_until of 1005
         return ok(1, 1, 1, 1, 1)
 
-    ext, _ = drive(extend_flow(spec(), "tok", 10.0, 1005.0, clock), respond, clock)
+    ext, _ = drive(extend_flow(spec(), lease(1005.0), 10.0, clock), respond, clock)
     assert ext.valid_until is None
+
+
+def test_an_unconfirmed_shorter_extension_shortens_the_lease_to_its_end() -> None:
+    """It may have landed on a majority after all: count on its end at most."""
+    clock = FakeClock()
+    held = lease(valid_until=1009.0)
+    ext, _ = drive(
+        extend_flow(spec(), held, 2.0, clock), lambda s: ok(1, 1, 0, 0, 0), clock
+    )
+    assert ext.valid_until is None
+    assert held.valid_until == pytest.approx(1000.0 + 2.0 - drift(2.0, 0.01))
+
+
+def test_each_extension_of_a_lease_carries_the_next_number() -> None:
+    """Nodes refuse an extension older than the last they applied, by number."""
+    clock = FakeClock()
+    held = lease(valid_until=1009.0)
+    numbers = []
+
+    def respond(step: Fanout) -> list[NodeReply]:
+        numbers.append(step.args[2])
+        return ok(1, 1, 1, 1, 1)
+
+    for _ in range(3):
+        drive(extend_flow(spec(), held, 10.0, clock), respond, clock)
+    assert numbers == [1, 2, 3] and held.extensions == 3
+
+
+def test_extend_of_a_lease_marked_lost_raises_without_network() -> None:
+    held = lease(valid_until=2000.0)
+    held.lost = "the watchdog failed"
+    with pytest.raises(LockLostError, match="the watchdog failed"):
+        next(extend_flow(spec(), held, 10.0, clock=FakeClock()))
 
 
 def test_release_counts_nodes_that_still_had_our_token() -> None:
