@@ -802,7 +802,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             "  note: the delayed-restart rule was broken on purpose "
             f"(--restart-immediately); {stale} purchases were refused as "
-            "409 stale_lock: a second holder's fenced write lost to a newer token"
+            "409 stale_lock: a fenced write lost to a newer token or to a write "
+            "made after its read"
         )
     if report["ok"]:
         lines.append("  RESULT: OK, every invariant held under the faults")
