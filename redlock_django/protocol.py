@@ -274,17 +274,15 @@ def attempt_token(base: str, attempt: int) -> str:
 
 
 def _cleanup(
-    spec: LockSpec, token: str, attempt: int, nodes: tuple[int, ...] | None = None
+    spec: LockSpec, token: str, nodes: tuple[int, ...] | None = None
 ) -> Fanout:
-    """Undo a failed attempt (its own ``token``) on ``nodes`` (all by default); it
-    wakes waiters like a release."""
-    return Fanout(
-        RELEASE_SCRIPT,
-        (spec.key,),
-        (token, release_id(token, attempt)),
-        nodes=nodes,
-        critical=True,
-    )
+    """Undo a failed attempt (its own ``token``) on ``nodes`` (all by default).
+
+    It announces nothing (no release id): nobody held the lock, so no waiter can
+    win because of it, and its own waiter would be woken by it and retry at once,
+    thousands of times a second, instead of sleeping its retry delay.
+    """
+    return Fanout(RELEASE_SCRIPT, (spec.key,), (token,), nodes=nodes, critical=True)
 
 
 def acquire_flow(
@@ -335,7 +333,7 @@ def acquire_flow(
                 wins=granted,
             )
         except BaseException:
-            yield _cleanup(spec, mine, attempt)
+            yield _cleanup(spec, mine)
             raise
         won = tuple(i for i, r in zip(every, replies, strict=True) if granted(r.value))
         failed = _failed(spec, replies, every)
@@ -353,7 +351,7 @@ def acquire_flow(
                     wins=confirmed,
                 )
             except BaseException:
-                yield _cleanup(spec, mine, attempt)
+                yield _cleanup(spec, mine)
                 raise
             failed.update(_failed(spec, confirms, won))
             won = tuple(
@@ -373,7 +371,7 @@ def acquire_flow(
             i for i, r in zip(every, replies, strict=True) if r.value != -1 or not r.ok
         )
         if suspect:
-            yield _cleanup(spec, mine, attempt, suspect)
+            yield _cleanup(spec, mine, suspect)
         most = spec.node_count - spec.quorum
         down = sum(1 for why in failed.values() if not why.startswith(LATE))
         if down > most:

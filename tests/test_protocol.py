@@ -25,7 +25,6 @@ from redlock_django.protocol import (
     locked_flow,
     quorum,
     release_flow,
-    release_id,
     validity,
     watchdog_flow,
 )
@@ -147,9 +146,9 @@ def test_failed_attempt_releases_its_nodes_then_retries_after_jittered_delay() -
     cleanup = steps[1]
     # Nodes 0 and 1 granted; 2-4 answered "held by another" and wrote nothing.
     assert cleanup.nodes == (0, 1) and cleanup.critical
-    # The clean-up names its attempt's token, and the attempt in the wake-up it
-    # publishes (never the token itself).
-    assert cleanup.args == ("tok.1", release_id("tok.1", 1))
+    # The clean-up names its attempt's token and announces no release: nobody
+    # held the lock, and its own waiter must not be woken by it.
+    assert cleanup.args == ("tok.1",)
     assert steps[2].seconds == pytest.approx(0.1 + 0.25 * 0.2)
     assert steps[2].wake == "p:lock:r"
     assert grant.granted == (0, 1, 2, 3)
@@ -328,9 +327,9 @@ def test_each_attempt_writes_and_cleans_up_its_own_token() -> None:
         ("release", "base.2"),
         ("acquire", "base.3"),
     ]
-    assert [s.args[1] for s in steps if s.script is RELEASE_SCRIPT] == [
-        release_id("base.1", 1),
-        release_id("base.2", 2),
+    assert [s.args for s in steps if s.script is RELEASE_SCRIPT] == [
+        ("base.1",),
+        ("base.2",),
     ]
     assert (grant.token, grant.attempts) == ("base.3", 3)
 

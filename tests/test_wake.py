@@ -250,3 +250,34 @@ def test_wake_ups_off_leaves_waiters_on_their_timer_and_opens_no_subscriber(
     _wait_for(
         lambda: _subscribers(nodes) == [[] for _ in nodes], "no subscribers", limit=1
     )
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_waiter_is_not_woken_by_the_clean_up_of_its_own_failed_attempt(
+    nodes: NodeSet, redlock_settings: dict[str, Any], settings: Any, mode: str
+) -> None:
+    """A waiter granted only a minority (another owner holds the rest) cleans up
+    its partial lock and sleeps its retry delay: that clean-up wakes nobody, so
+    it makes a handful of attempts in a second, not thousands (it used to be
+    woken by its own clean-up's announcement and retry at once, ~3,000/s)."""
+    settings.REDLOCK = {**redlock_settings, "RETRY_DELAY": 0.2, "RETRY_JITTER": 0.0}
+    for node in nodes[2:]:
+        node.clog("redlock:lock:self-wake", ttl=5)
+    lock = Redlock("self-wake")
+    before = [_evals(node) for node in nodes[:2]]
+    if mode == "sync":
+        assert not lock.acquire(timeout=1.0)
+    else:
+        assert not asyncio.run(lock.aacquire(timeout=1.0))
+    attempts = max(_evals(node) - b for node, b in zip(nodes[:2], before, strict=True))
+    # One acquire and one clean-up per attempt, an attempt every 0.2 s.
+    assert attempts <= 2 * 8, attempts
+
+
+def _evals(node: Any) -> int:
+    stats = node.client().info("commandstats")
+    return sum(
+        int(v["calls"])
+        for k, v in stats.items()
+        if k in ("cmdstat_eval", "cmdstat_evalsha")
+    )
