@@ -1,14 +1,36 @@
 """The asyncio driver: runs the same protocol flows with redis.asyncio.
 
-Each node call is bounded by NODE_TIMEOUT with ``asyncio.wait_for``; redis-py drops
-the connection of a cancelled command, so a late reply never reaches the next
-caller. Clean-up steps (``Fanout.critical``) are shielded: cancelling the caller
-does not leave a partial lock behind, the cancellation propagates once they end.
+A fan-out starts one call per node and waits for them against one deadline
+(NODE_TIMEOUT), not with a timer inside each call: a timer that fires while the
+loop is busy cancels a call whose reply already sits in its socket buffer, and
+a busy loop (many tasks, a CPU hog) would then report healthy nodes as timed out.
+So the client's own delays do not count against the nodes:
+
+- each node gets a whole NODE_TIMEOUT from the moment its command was written,
+  however late the loop got to write it;
+- at the deadline the loop is let run a few turns (its ready callbacks and a
+  poll of its sockets) before any node is given up: replies that had arrived are
+  read;
+- when that look ended long after the deadline (more than ``LATE_SLACK`` of
+  NODE_TIMEOUT: the timer was served late, or each turn of a crowded loop took
+  long), a missing reply is no evidence: the node is marked ``LATE``, which the
+  protocol never counts as an outage.
+
+Connects and replies run with no redis-py timer at all (those timers measure loop
+time too, and fired on healthy nodes); a call given up is cancelled, and
+redis-py drops the connection of a cancelled read, so a late reply never reaches
+the next caller. A node that answers just after the quorum decided is not
+cancelled: its call goes on in the background (for at most NODE_TIMEOUT) and
+returns the connection to the pool once the owed reply was read, so a node a
+little slower than the others does not cost a new connection every time.
+Clean-up steps (``Fanout.critical``) are shielded: cancelling the caller does not
+leave a partial lock behind, the cancellation propagates once they end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -17,46 +39,112 @@ import redis.asyncio
 from redis.exceptions import NoScriptError
 
 from .nodes import describe
-from .protocol import UNAWAITED, Fanout, NodeReply, Sleep, Step
+from .protocol import LATE, UNAWAITED, Fanout, NodeReply, Sleep, Step
+from .sync import LATE_SLACK
 from .wake import AsyncWatch, Hub
 
 __all__ = ["fanout", "run"]
 
 #: Least time given to the other nodes once a quorum decided a fan-out.
 _GRACE = 0.001
+#: Loop turns run at the deadline before giving up on a node: one for the
+#: selector to report a socket, one for its callback to feed the reply to the
+#: reader, one for the call to parse it, one spare.
+_SETTLE_TURNS = 4
+
+#: Calls left to finish on their own: a reply still owed after the quorum
+#: decided, or only the connection's return to the pool left. Referenced here so
+#: that they are not garbage-collected while they run.
+_background: set[asyncio.Future[None]] = set()
 
 
-async def _call(client: redis.asyncio.Redis, step: Fanout, timeout: float) -> NodeReply:
+async def _roundtrip(
+    conn: Any, command: tuple[Any, ...], k: int, marks: list[float]
+) -> Any:
+    """Write ``command`` and read its reply, with no timer: the fan-out bounds it."""
+    writer = conn._writer
+    if writer is None:
+        raise redis.ConnectionError("Connection closed.")
+    # A direct write: redis-py's send_packed_command() wraps it in wait_for(), one
+    # more task and one more timer that a busy loop could serve late.
+    writer.writelines(conn.pack_command(*command))
+    marks[k] = asyncio.get_running_loop().time()
+    return await conn.read_response(timeout=math.inf)
+
+
+async def _connection(pool: redis.asyncio.ConnectionPool) -> Any:
+    """Take a connection from ``pool``, connected, with no redis-py connect timer.
+
+    That timer measures the connect in loop time: on a busy loop a connect takes
+    several long turns, and the timer fired on healthy nodes (40 tasks starting at
+    once). The fan-out's deadline bounds the connect instead, and judges it by the
+    loop's own lateness. The pool's bookkeeping is kept (``get_connection()`` minus
+    its metrics); its lock is not needed, the take being synchronous.
+    """
+    conn = pool.get_available_connection()
+    conn.socket_connect_timeout = None
+    try:
+        await pool.ensure_connection(conn)
+    except BaseException:
+        await pool.release(conn)
+        raise
+    return conn
+
+
+async def _call(
+    pool: redis.asyncio.ConnectionPool,
+    step: Fanout,
+    k: int,
+    marks: list[float],
+    got: list[NodeReply | None],
+) -> None:
+    """Run ``step`` on one node; put its reply in ``got[k]`` (before the
+    connection goes back to the pool, so a fan-out that stops waiting still sees
+    it)."""
+    loop = asyncio.get_running_loop()
     tail = (len(step.keys), *step.keys, *step.args)
     # Clean-ups go as EVAL, as in sync.py: a frozen node may run them after the
     # caller stopped waiting, when no one would resend the source after NOSCRIPT.
     by_sha = not step.critical
     try:
-        async with asyncio.timeout(timeout):
-            for attempt in (1, 2):
-                try:
-                    if by_sha:
-                        try:
-                            value = await client.execute_command(
-                                "EVALSHA", step.script.sha, *tail
-                            )
-                        except NoScriptError:
-                            by_sha = False
-                    if not by_sha:
-                        value = await client.execute_command(
-                            "EVAL", step.script.source, *tail
+        for attempt in (1, 2):
+            marks[k] = loop.time()
+            conn = await _connection(pool)
+            try:
+                if by_sha:
+                    try:
+                        value = await _roundtrip(
+                            conn, ("EVALSHA", step.script.sha, *tail), k, marks
                         )
-                    break
-                except redis.ConnectionError:
-                    # A pooled connection the server closed (a restart) is only
-                    # seen when used. Every script is idempotent for one token, so
-                    # one more try on a new connection is safe; a timeout is not
-                    # retried.
-                    if attempt == 2:
-                        raise
+                    except NoScriptError:
+                        by_sha = False
+                if not by_sha:
+                    value = await _roundtrip(
+                        conn, ("EVAL", step.script.source, *tail), k, marks
+                    )
+                got[k] = NodeReply(value)
+                return
+            except redis.ConnectionError:
+                # A pooled connection the server closed (a restart) is only seen
+                # when used. Every script is idempotent for one token, so one
+                # more try on a new connection is safe; a failed connect is not.
+                if attempt == 2:
+                    raise
+            finally:
+                await pool.release(conn)
     except Exception as exc:
-        return NodeReply(error=describe(exc))
-    return NodeReply(value)
+        got[k] = NodeReply(error=describe(exc))
+
+
+def _abandon(call: asyncio.Future[None], got: list[NodeReply | None], k: int) -> None:
+    """Stop a background call whose owed reply never came (its connection drops)."""
+    if got[k] is None:
+        call.cancel()
+
+
+def _leave(call: asyncio.Future[None]) -> None:
+    _background.add(call)
+    call.add_done_callback(_background.discard)
 
 
 async def fanout(
@@ -64,36 +152,81 @@ async def fanout(
 ) -> list[NodeReply]:
     """Run ``step`` on its nodes concurrently; return one reply per targeted node."""
     targets = list(range(len(clients)) if step.nodes is None else step.nodes)
-    calls = [asyncio.ensure_future(_call(clients[i], step, timeout)) for i in targets]
-    if not step.need:
-        return list(await asyncio.gather(*calls))
     loop = asyncio.get_running_loop()
     began = loop.time()
-    pending: set[asyncio.Future[NodeReply]] = set(calls)
+    count = len(targets)
+    #: When each call's command was written (or its connect began).
+    marks = [began] * count
+    got: list[NodeReply | None] = [None] * count
+    calls = [
+        asyncio.ensure_future(_call(clients[i].connection_pool, step, k, marks, got))
+        for k, i in enumerate(targets)
+    ]
+    index: dict[asyncio.Future[None], int] = {c: k for k, c in enumerate(calls)}
+    pending: set[asyncio.Future[None]] = set(calls)
+    need, winning = step.need, step.wins
+    why = "timed out"
+    deadline = began + timeout
     try:
         wins = 0
-        while pending and wins < step.need:
+        while pending and not (need and wins >= need):
+            now = loop.time()
+            if now >= deadline:
+                # Each node gets a whole NODE_TIMEOUT from its command's write,
+                # however late the loop got to it.
+                later = max(marks[index[call]] for call in pending) + timeout
+                if later <= now:
+                    break
+                deadline = later
             done, pending = await asyncio.wait(
-                pending, return_when=asyncio.FIRST_COMPLETED
+                pending, timeout=deadline - now, return_when=asyncio.FIRST_COMPLETED
             )
             for call in done:
-                reply = call.result()
-                if step.wins is not None and reply.ok and step.wins(reply.value):
-                    wins += 1
-        if pending:
+                reply = got[index[call]]
+                if winning is not None and reply is not None and reply.ok:
+                    wins += winning(reply.value)
+        if pending and need and wins >= need:
             # Known outcome: give the other nodes a few round trips (as sync.py
             # does), then stop waiting for a slow or hung one.
             grace = max(_GRACE, 2 * (loop.time() - began))
             _, pending = await asyncio.wait(pending, timeout=grace)
-    finally:
+            why = UNAWAITED
+        # Replies that sit in socket buffers are read before any node is given
+        # up: the loop runs its ready callbacks and polls its sockets.
+        for _ in range(_SETTLE_TURNS):
+            if all(got[index[call]] is not None for call in pending):
+                break
+            await asyncio.sleep(0)
+        # Done long after the deadline (the timer served late, or each turn of a
+        # crowded loop long), the look says nothing about the nodes still silent.
+        lag = loop.time() - deadline
+        if why != UNAWAITED and lag > LATE_SLACK * timeout:
+            why = f"{LATE}: the loop got to it {lag * 1000:.0f} ms after its deadline"
+        given_up = []
         for call in pending:
-            call.cancel()
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
-    return [
-        NodeReply(error=UNAWAITED) if call.cancelled() else call.result()
-        for call in calls
-    ]
+            k = index[call]
+            if got[k] is not None:
+                _leave(call)  # answered; only the connection's return is left
+            elif why == UNAWAITED:
+                # Its reply is owed on the connection: read it in the background
+                # rather than drop the connection.
+                _leave(call)
+                loop.call_later(timeout, _abandon, call, got, k)
+            else:
+                call.cancel()
+                given_up.append(call)
+        pending = set()
+    finally:
+        # Interrupted: calls still waiting are cancelled (their connections drop);
+        # answered ones only return their connection.
+        for call in pending:
+            if got[index[call]] is None:
+                call.cancel()
+            else:
+                _leave(call)
+    if given_up:
+        await asyncio.gather(*given_up, return_exceptions=True)
+    return [NodeReply(error=why) if reply is None else reply for reply in got]
 
 
 async def run(

@@ -2,10 +2,25 @@
 
 A fan-out writes the command to every node before it reads any reply, so N nodes
 cost about one round trip and no thread. Replies are read as they arrive, against
-one deadline NODE_TIMEOUT after the fan-out began, and once a quorum has decided
-the step the other nodes get only a short grace: a hung node costs at most that
-much. A connection with a reply still due is dropped, never reused; a node whose
-connect() timed out is not connected to again for ``STALL_HOLD``.
+one deadline NODE_TIMEOUT after the last command went out, and once a quorum has
+decided the step the other nodes get only a short grace: a hung node costs at most
+that much. A node whose connect() timed out is not connected to again for
+``STALL_HOLD``.
+
+The thread's own delays are not the nodes' fault. Writing to N nodes may itself be
+slow (connecting, other threads holding the GIL), so the deadline counts from the
+last write. At the deadline every reply that has arrived is read before a node is
+called timed out; and when that look came long after the deadline (a starved
+thread, more than ``LATE_SLACK`` of NODE_TIMEOUT late), a missing reply is no
+evidence: the node is marked ``LATE``, which the protocol never counts as an
+outage.
+
+A connection whose reply is still due (a node slower than the quorum, or one that
+timed out) is kept aside owing that one reply, not dropped: before it is reused
+the owed reply is read and thrown away, and a connection whose reply does not come
+within NODE_TIMEOUT is dropped. A late reply can then never reach the next caller,
+and a node a little slower than the others does not cost a new connection (a TLS
+handshake) on every operation.
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ except ImportError:  # pragma: no cover - another redis-py layout
     _NOT_ENOUGH_DATA = object()
 
 from .nodes import describe
-from .protocol import UNAWAITED, Fanout, NodeReply, Sleep, Step
+from .protocol import LATE, UNAWAITED, Fanout, NodeReply, Sleep, Step
 from .wake import Hub, SyncWatch
 
 __all__ = ["fanout", "run"]
@@ -51,6 +66,12 @@ _GRACE = 0.001
 STALL_HOLD = 1.0
 #: Idle connections kept per node; more (a burst of threads) are closed on return.
 MAX_IDLE = 32
+#: A look at the replies more than this share of NODE_TIMEOUT after the deadline
+#: means the client itself was late: the nodes it did not hear are marked ``LATE``.
+#: Half a timeout: far above the scheduling noise of a loaded host (a few ms), far
+#: below the stalls (a blocked loop, a starved thread) that made healthy nodes look
+#: dead. The asyncio driver uses it too.
+LATE_SLACK = 0.5
 
 
 class _Idle:
@@ -58,15 +79,18 @@ class _Idle:
 
     The pool's ``get_connection()`` polls every connection for stray data and
     records metrics on each call: a fifth of a fan-out's time. This driver never
-    returns a connection with a reply still due (it drops it), so a deque is
-    enough; a forked child starts with an empty one.
+    returns a connection with a reply still due to ``conns``: such a connection
+    waits in ``owed`` until that reply was read (``_settle``), so a deque is
+    enough; a forked child starts with empty ones.
     """
 
-    __slots__ = ("conns", "pid", "stalled_at")
+    __slots__ = ("conns", "owed", "pid", "stalled_at")
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.conns: collections.deque[Any] = collections.deque()
+        #: Connections owing one reply, with the time after which it is given up.
+        self.owed: collections.deque[tuple[Any, float]] = collections.deque()
         #: When a new connection to this node last timed out while connecting.
         self.stalled_at = -math.inf
 
@@ -81,6 +105,8 @@ def _take(pool: redis.ConnectionPool, pid: int) -> tuple[_Idle, Any, bool]:
     idle = _idle.get(pool)
     if idle is None or idle.pid != pid:
         idle = _idle[pool] = _Idle()
+    if idle.owed:
+        _settle(idle)
     try:
         return idle, idle.conns.pop(), True
     except IndexError:
@@ -98,6 +124,57 @@ def _give(idle: _Idle, conn: Any) -> None:
         idle.conns.append(conn)
     else:
         conn.disconnect()
+
+
+def _owe(idle: _Idle, conn: Any, until: float) -> None:
+    """Keep aside a connection that still owes one reply, until ``until``."""
+    if len(idle.owed) < MAX_IDLE:
+        idle.owed.append((conn, until))
+    else:
+        conn.disconnect()
+
+
+def _arrived(conn: Any) -> bool:
+    """Say whether a reply has started to arrive on ``conn``, without waiting.
+
+    redis-py's ``can_read`` also sees bytes a TLS layer or the parser already
+    buffered, which poll() cannot; a broken connection counts as arrived, so that
+    reading it reports the error.
+    """
+    try:
+        return bool(conn.can_read(0))
+    except Exception:
+        return True
+
+
+def _settle(idle: _Idle) -> None:
+    """Read and discard the replies owed on kept-aside connections that arrived.
+
+    A settled connection becomes idle again; one whose reply did not come in time,
+    or broke, is dropped. Each entry is popped before it is looked at, so two
+    threads never read the same connection.
+    """
+    owed = idle.owed
+    now = time.monotonic()
+    for _ in range(len(owed)):
+        try:
+            conn, until = owed.popleft()
+        except IndexError:
+            return
+        if not _arrived(conn):
+            if now < until:
+                owed.append((conn, until))
+            else:
+                conn.disconnect()
+            continue
+        try:
+            conn.read_response(timeout=_MIN_WAIT)
+        except redis.ResponseError:
+            pass  # an error reply (NOSCRIPT, ...) is the owed reply too
+        except Exception:
+            conn.disconnect()  # read_response() dropped it already, on most errors
+            continue
+        _give(idle, conn)
 
 
 def _pack(conn: Any, command: tuple[Any, ...]) -> Any:
@@ -185,7 +262,6 @@ def fanout(
     """Run ``step`` on its nodes at once; return one reply per targeted node."""
     targets = range(len(pools)) if step.nodes is None else step.nodes
     began = time.monotonic()
-    deadline = began + timeout
     replies: dict[int, NodeReply] = {}
     # Clean-ups go as EVAL: a node that never answers (frozen, then resumed) may
     # run them long after this call gave up, with nobody left to resend the source
@@ -231,6 +307,9 @@ def fanout(
         poller.register(fd, select.POLLIN)
         waiting[fd] = [i, idle, conn, reused, False]
         any_tls = any_tls or _is_tls(conn)
+    # Each node gets a whole NODE_TIMEOUT after its command went out, however long
+    # the writes took this thread (connects, other threads holding the GIL).
+    deadline = time.monotonic() + timeout
     # Read the replies as they arrive (a slow node first in the list must not
     # hold up the rest), until every node answered, the deadline passed, or the
     # step's outcome is known (``need`` winning replies). A node that answers
@@ -238,24 +317,31 @@ def fanout(
     wins = 0
     why = "timed out"
     final = False
+    looked = math.inf
     need, winning = step.need, step.wins
+    finished = False
     try:
         while waiting:
             if need and wins >= need and why != UNAWAITED:
                 # Known outcome: healthy nodes answer within a few round trips of
                 # each other; only a slow or hung node is left behind (and its
-                # connection dropped, which costs a reconnect).
+                # connection kept aside until its reply comes).
                 now = time.monotonic()
                 deadline = min(deadline, now + max(_GRACE, 2 * (now - began)))
                 why = UNAWAITED
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 if final:
                     break
-                # One last look, without waiting: replies that arrived while
-                # others were read (or that sit decrypted in a TLS buffer) count.
+                # One last look, without waiting: replies that arrived while this
+                # thread was elsewhere (reading others, waiting for the GIL or a
+                # CPU), or that sit decrypted in a TLS buffer, count.
                 final = True
-                ready = [(fd, 0) for fd in waiting]
+                looked = now
+                ready = [(fd, 0) for fd, it in waiting.items() if _arrived(it[2])]
+                if not ready:
+                    break
             else:
                 # poll() cannot see bytes a TLS layer already decrypted: those
                 # connections are read in turn, blocking up to the deadline.
@@ -283,7 +369,14 @@ def fanout(
                         replies[i] = NodeReply(error="NoScriptError")
                         _give(idle, conn)
                         continue
-                    conn.send_command(*_command(step, by_sha=False))
+                    try:
+                        conn.send_command(*_command(step, by_sha=False))
+                    except Exception as exc:
+                        # The connection broke between the NOSCRIPT and the
+                        # resend: this node failed, like any other.
+                        conn.disconnect()
+                        replies[i] = NodeReply(error=describe(exc))
+                        continue
                     item[3:] = [False, True]
                 except redis.ConnectionError as exc:
                     conn.disconnect()
@@ -317,12 +410,21 @@ def fanout(
                 fd = item[2]._sock.fileno()
                 poller.register(fd, select.POLLIN)
                 waiting[fd] = item
+        finished = True
     finally:
-        # Replies still due on these connections (too late, not needed, or an
-        # interruption): never reuse them.
-        for i, _, conn, _, _ in waiting.values():
-            conn.disconnect()
-            replies.setdefault(i, NodeReply(error=why))
+        if waiting:
+            # A last look long after the deadline says nothing about the nodes
+            # still silent: the thread itself was late.
+            lag = looked - deadline
+            if finished and why != UNAWAITED and lag > LATE_SLACK * timeout:
+                why = f"{LATE}: looked {lag * 1000:.0f} ms after its deadline"
+            until = time.monotonic() + timeout
+            for i, idle, conn, _, _ in waiting.values():
+                replies.setdefault(i, NodeReply(error=why))
+                if finished:
+                    _owe(idle, conn, until)  # one reply still due on it
+                else:
+                    conn.disconnect()  # interrupted: dropped, never reused
     return [replies[i] for i in targets]
 
 

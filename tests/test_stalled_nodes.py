@@ -22,6 +22,7 @@ import pytest
 from redlock_django import QuorumUnavailableError, Redlock, sync
 from redlock_django.scripts import ACQUIRE_SCRIPT, RELEASE_SCRIPT
 from tests._nodes import NodeSet
+from tests._proxy import FaultProxy
 
 NODE_TIMEOUT = 0.1
 
@@ -90,3 +91,25 @@ def test_a_node_whose_connect_timed_out_is_skipped_then_tried_again(
         with pytest.raises(QuorumUnavailableError) as third:
             lock.acquire(blocking=False)
         assert sorted(reasons(third.value)) == ["timed out"] * 3
+
+
+def test_nodes_written_after_a_stalled_connect_still_get_their_whole_timeout(
+    settings: Any, nodes: NodeSet
+) -> None:
+    """The first node's connect() stalls for all of NODE_TIMEOUT before the four
+    healthy nodes (5 ms away, behind proxies) are written to. That wait is the
+    client's own: they still get a whole NODE_TIMEOUT to answer, the lock is
+    granted by four, and only the stalled node is reported."""
+    with contextlib.ExitStack() as stack:
+        stalled = stack.enter_context(stalled_listener())
+        proxies = [stack.enter_context(FaultProxy(port)) for port in nodes.ports[:4]]
+        for proxy in proxies:
+            proxy.delay(0.005)
+        settings.REDLOCK = {
+            "NODES": [stalled, *(proxy.url for proxy in proxies)],
+            "NODE_TIMEOUT": NODE_TIMEOUT,
+            "TTL": 10.0,
+        }
+        lock = Redlock("stalled-first")
+        assert lock.acquire(blocking=False)
+        lock.release()

@@ -1,0 +1,181 @@
+"""What the drivers do with a connection whose reply comes late, or breaks (issue 10).
+
+- A node that answers a little after the quorum decided (a proxy adds 3 ms to its
+  replies) keeps its connection: the late reply is read and thrown away before
+  the connection is used again, instead of a new connection (a TLS handshake)
+  per operation. Every call still gets its own reply, never the one owed.
+- A node that answers NOSCRIPT, and whose connection breaks before the driver
+  resent the script's source, counts as that node failing: the raw redis
+  ``ConnectionError`` never reaches the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from redlock_django import aio, sync
+from redlock_django import nodes as node_pools
+from redlock_django.conf import get_settings
+from redlock_django.protocol import Fanout, NodeReply
+from redlock_django.scripts import Script
+from tests._nodes import NodeSet, process_state
+from tests._proxy import FaultProxy
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+NODE_TIMEOUT = 0.1
+#: Fan-outs run against the nodes, one node 3 ms slower than the others.
+FANOUTS = 400
+#: Every this many fan-outs waits for all nodes, the slow one included: its
+#: reply must be its own, not the one owed from an earlier fan-out.
+WAIT_ALL_EVERY = 10
+#: Connections the slow node may see for all FANOUTS: a few in rotation while
+#: replies are owed, with room for a loaded host. Dropping the connection of
+#: every late reply opens about one per fan-out.
+MAX_CONNECTIONS = 40
+# KEYS[1] unused; ARGV[1] a word; returns the word: each call's own reply.
+ECHO_SCRIPT = Script("echo", "return ARGV[1]")
+
+
+def echo(n: int) -> Fanout:
+    need = 0 if n % WAIT_ALL_EVERY == WAIT_ALL_EVERY - 1 else 3
+    return Fanout(ECHO_SCRIPT, ("echo",), (f"call-{n}",), need=need, wins=bool)
+
+
+def check(n: int, replies: list[NodeReply]) -> None:
+    """Every reply that came is this call's own, never one owed from before."""
+    word = f"call-{n}".encode()
+    assert all(r.value in (None, word) for r in replies), (n, replies)
+    if echo(n).need == 0:  # every node awaited, the slow one included
+        assert replies == [NodeReply(word)] * 5, (n, replies)
+    else:
+        assert sum(r.value == word for r in replies) >= 3, (n, replies)
+
+
+@pytest.fixture
+def slow_fifth(settings: Any, nodes: NodeSet) -> Any:
+    """Point REDLOCK at four nodes and a fifth behind a proxy 3 ms away."""
+    with FaultProxy(nodes.ports[4]) as proxy:
+        proxy.delay(0.003)
+        settings.REDLOCK = {
+            "NODES": [*nodes.urls[:4], proxy.url],
+            "NODE_TIMEOUT": NODE_TIMEOUT,
+            "TTL": 10.0,
+        }
+        yield proxy
+
+
+def test_sync_driver_keeps_the_connection_of_a_node_slower_than_the_quorum(
+    slow_fifth: FaultProxy,
+) -> None:
+    """400 fan-outs decided without the slow node open a few connections to it,
+    not one each, and every call reads its own reply."""
+    config = get_settings()
+    pools = node_pools.sync_pools(config.nodes, config.node_timeout)
+    unawaited = 0
+    for n in range(FANOUTS):
+        replies = sync.fanout(pools, echo(n), NODE_TIMEOUT)
+        check(n, replies)
+        unawaited += replies[4].value is None
+    assert unawaited > FANOUTS // 2  # the slow node really was left behind
+    assert slow_fifth.connections <= MAX_CONNECTIONS, slow_fifth.connections
+
+
+def test_async_driver_keeps_the_connection_of_a_node_slower_than_the_quorum(
+    slow_fifth: FaultProxy,
+) -> None:
+    """The same with the asyncio driver: the late reply is read in the background
+    and the connection goes back to the pool."""
+    config = get_settings()
+    unawaited = 0
+
+    async def run() -> None:
+        nonlocal unawaited
+        clients = node_pools.async_clients(config.nodes, config.node_timeout)
+        for n in range(FANOUTS):
+            replies = await aio.fanout(clients, echo(n), NODE_TIMEOUT)
+            check(n, replies)
+            unawaited += replies[4].value is None
+
+    asyncio.run(run())
+    assert unawaited > FANOUTS // 2
+    assert slow_fifth.connections <= MAX_CONNECTIONS, slow_fifth.connections
+
+
+# A client in its own process, so that it can be stopped between a reply reaching
+# its socket and the connection being reset: one fan-out to one node, its outcome
+# printed as JSON.
+RESEND_CLIENT = """
+import json, sys
+from redlock_django import sync
+from redlock_django.conf import parse_node
+from redlock_django.nodes import sync_pools
+from redlock_django.protocol import Fanout
+from redlock_django.scripts import PTTL_SCRIPT
+
+# The lock's own pool: nothing is sent on connect, the first bytes are the script.
+pools = sync_pools([parse_node(sys.argv[1], 0)], 5.0)
+try:
+    replies = sync.fanout(pools, Fanout(PTTL_SCRIPT, ("resend",), ()), 5.0)
+except Exception as exc:
+    print(json.dumps({"raised": f"{type(exc).__module__}.{type(exc).__name__}"}))
+else:
+    print(json.dumps({"replies": [list(reply) for reply in replies]}))
+"""
+
+
+def wait_for_state(pid: int, state: str) -> None:
+    deadline = time.monotonic() + 5.0
+    while process_state(pid) != state:
+        assert time.monotonic() < deadline, f"process {pid} never reached {state}"
+        time.sleep(0.005)
+
+
+def test_a_resend_after_noscript_that_fails_counts_as_that_node_failing(
+    nodes: NodeSet,
+) -> None:
+    """The node lost its scripts (SCRIPT FLUSH) and answers NOSCRIPT; the
+    connection is reset after that reply reached the client and before the client
+    resent the source. The failing resend is that node's failure, reported in its
+    reply; fanout() raises nothing."""
+    node = nodes[0]
+    with node.client() as client:
+        client.script_flush()
+    with FaultProxy(node.port) as proxy:
+        proxy.hold_replies()
+        since = proxy.requests
+        child = subprocess.Popen(
+            [sys.executable, "-c", RESEND_CLIENT, proxy.url],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            # The EVALSHA reached the node; its NOSCRIPT waits in the proxy.
+            assert proxy.wait_for_request(10.0, since=since)
+            time.sleep(0.2)
+            os.kill(child.pid, signal.SIGSTOP)
+            wait_for_state(child.pid, "T")
+            proxy.release_replies()  # NOSCRIPT is in the stopped client's socket
+            proxy.reset()  # then a TCP RST: the resend will fail
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        out, err = child.communicate(timeout=20)
+    assert child.returncode == 0, err
+    outcome = json.loads(out)
+    assert "raised" not in outcome, outcome
+    [[value, error]] = outcome["replies"]
+    assert value is None and error.startswith("ConnectionError"), error
