@@ -217,6 +217,9 @@ _replaced: weakref.WeakKeyDictionary[object, dict[tuple[Any, ...], list[Any]]] =
 _holds_lock = threading.Lock()
 
 
+_inherited: list[object] = []
+
+
 def _forget_parent_holds() -> None:
     """In a forked child: start with no holds, hand-offs or locks of the parent.
 
@@ -225,6 +228,9 @@ def _forget_parent_holds() -> None:
     lock is made anew, as a parent thread may have held it at the fork.
     """
     global _holds, _replaced, _holds_lock
+    # The parent's holds are kept, never collected: collecting a watchdog task
+    # would run its clean-up code in the child, on the parent's connections.
+    _inherited.append((_holds, _replaced))
     _holds = weakref.WeakKeyDictionary()
     _replaced = weakref.WeakKeyDictionary()
     _holds_lock = threading.Lock()

@@ -156,17 +156,23 @@ def async_clients(
     return pools
 
 
+#: In a forked child, the parent's pools and clients: kept, never used, never
+#: collected. Collecting an asyncio connection closes its transport, which
+#: removes its socket from the event loop's epoll set, and that set is shared
+#: with the parent across fork(): the parent's loop would stop hearing replies.
+_inherited: list[object] = []
+
+
 def _forget_parent_clients() -> None:
     """In a forked child: build new pools rather than share the parent's sockets.
 
-    The parent's connections are dropped without a word on them (closing them
-    could disturb the parent's use of the same sockets); the lock is made anew,
-    as a parent thread may have held it at the fork.
+    The lock is made anew, as a parent thread may have held it at the fork.
     """
-    global _lock
+    global _lock, _sync, _async
+    _inherited.append((_sync, dict(_async)))
     _lock = threading.Lock()
-    _sync.clear()
-    _async.clear()
+    _sync = {}
+    _async = weakref.WeakKeyDictionary()
 
 
 os.register_at_fork(after_in_child=_forget_parent_clients)

@@ -367,14 +367,20 @@ def reset() -> None:
         found.close()
 
 
+_inherited: list[object] = []
+
+
 def _forget_parent_hubs() -> None:
     """In a forked child: no hubs, waiters or locks of the parent.
 
     The parent's reader threads do not exist in the child, a parent thread may
     have held these locks at the fork, and its waiters are not the child's.
     """
-    global _hubs_lock, _watching, _watching_lock
-    _hubs.clear()
+    global _hubs, _hubs_lock, _watching, _watching_lock
+    # Kept, never collected: collecting them could close sockets the parent
+    # still uses (see nodes._inherited).
+    _inherited.append(_hubs)
+    _hubs = {}
     _hubs_lock = threading.Lock()
     _watching = 0
     _watching_lock = threading.Lock()
