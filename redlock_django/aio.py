@@ -82,12 +82,15 @@ async def _connection(pool: redis.asyncio.ConnectionPool) -> Any:
     its metrics); its lock is not needed, the take being synchronous.
     """
     conn = pool.get_available_connection()
-    conn.socket_connect_timeout = None
+    # Restored once connected: redis-py also bounds closing a connection with it.
+    bound, conn.socket_connect_timeout = conn.socket_connect_timeout, None
     try:
         await pool.ensure_connection(conn)
     except BaseException:
         await pool.release(conn)
         raise
+    finally:
+        conn.socket_connect_timeout = bound
     return conn
 
 
