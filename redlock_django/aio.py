@@ -232,6 +232,22 @@ async def fanout(
     return [NodeReply(error=why) if reply is None else reply for reply in got]
 
 
+async def _finish(coro: Awaitable[list[NodeReply]]) -> list[NodeReply]:
+    """Run a clean-up to its end through any number of cancellations of the
+    caller, then raise the (last) cancellation, if any: a clean-up cut short
+    would leave a lock nobody holds on its nodes until its lease ends."""
+    work = asyncio.ensure_future(coro)
+    cancelled: asyncio.CancelledError | None = None
+    while not work.done():
+        try:
+            await asyncio.wait((work,))
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled
+    return work.result()
+
+
 async def run(
     flow: Any,
     clients: Sequence[redis.asyncio.Redis],
@@ -266,13 +282,7 @@ async def run(
                         hub.watch(watch)
                     reply = await watch.wait(step.seconds)
                 elif step.critical:
-                    work = asyncio.ensure_future(fanout(clients, step, timeout))
-                    try:
-                        reply = await asyncio.shield(work)
-                    except asyncio.CancelledError:
-                        # Let the clean-up finish, then hand the cancellation on.
-                        reply = await work
-                        raise
+                    reply = await _finish(fanout(clients, step, timeout))
                 else:
                     reply = await fanout(clients, step, timeout)
             except BaseException as exc:

@@ -344,3 +344,49 @@ def test_a_forked_child_inherits_no_waiters_or_wake_up_readers(
     # Woken by a release (the parent's, then its waiting thread's), not by its
     # 3 s retry timer.
     assert waited_ms < 2500
+
+
+async def test_an_acquire_cancelled_again_and_again_leaves_no_lock_behind(
+    redlock_settings: dict[str, Any], nodes: NodeSet, settings: Any
+) -> None:
+    """A task cancelled repeatedly while it acquires (its requests 10 ms late
+    through fault proxies): its clean-up still runs to the end, so no node keeps
+    a key nobody holds. Before, a second cancellation cut the clean-up short and
+    a granted quorum stayed locked for the whole TTL (most of 30 rounds)."""
+    from tests._proxy import FaultProxy
+
+    proxies = [FaultProxy(node.port).start() for node in nodes]
+    settings.REDLOCK = {
+        **redlock_settings,
+        "NODES": [proxy.url for proxy in proxies],
+        "WAKE_UPS": False,
+    }
+    key = KEY.format("cancel-storm")
+    left: list[int] = []
+    try:
+        for proxy in proxies:
+            proxy.delay(0.0, requests=0.01)
+        for node in nodes[3:]:
+            node.clog(key, ttl=30)
+        for round_ in range(30):
+            lock = Redlock("cancel-storm", retry_delay=0.01, retry_jitter=0.0)
+            task = asyncio.ensure_future(lock.aacquire(timeout=5))
+            for _ in range(round_ % 6):
+                await asyncio.sleep(0.004)
+            for _ in range(300):
+                task.cancel()
+                await asyncio.sleep(0)
+                if task.done():
+                    break
+            try:
+                await task  # acquired before the first cancellation landed
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.05)  # the requests' own delay, and more
+                left.append(_on_nodes(nodes[:3], "cancel-storm"))
+            for node in nodes[:3]:
+                node.client().delete(key)
+    finally:
+        for proxy in proxies:
+            proxy.close()
+    assert len(left) >= 10, "too few rounds were cancelled mid-way"
+    assert left == [0] * len(left)
