@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
@@ -43,7 +43,9 @@ from .protocol import LATE, UNAWAITED, Fanout, NodeReply, Sleep, Step
 from .sync import LATE_SLACK
 from .wake import AsyncWatch, Hub
 
-__all__ = ["fanout", "run"]
+__all__ = ["complete", "fanout", "run"]
+
+T = TypeVar("T")
 
 #: Least time given to the other nodes once a quorum decided a fan-out.
 _GRACE = 0.001
@@ -232,11 +234,15 @@ async def fanout(
     return [NodeReply(error=why) if reply is None else reply for reply in got]
 
 
-async def _finish(coro: Awaitable[list[NodeReply]]) -> list[NodeReply]:
-    """Run a clean-up to its end through any number of cancellations of the
-    caller, then raise the (last) cancellation, if any: a clean-up cut short
-    would leave a lock nobody holds on its nodes until its lease ends."""
-    work = asyncio.ensure_future(coro)
+async def complete(awaitable: Awaitable[T]) -> T:
+    """Run ``awaitable`` to its end through any number of cancellations of the
+    caller, then raise the (last) cancellation, if any.
+
+    For clean-ups (a failed attempt's, a release): cut short, they would leave a
+    lock nobody holds on its nodes until its lease ends. A failure of the
+    clean-up itself is chained to the cancellation it gives way to.
+    """
+    work = asyncio.ensure_future(awaitable)
     cancelled: asyncio.CancelledError | None = None
     while not work.done():
         try:
@@ -244,7 +250,8 @@ async def _finish(coro: Awaitable[list[NodeReply]]) -> list[NodeReply]:
         except asyncio.CancelledError as exc:
             cancelled = exc
     if cancelled is not None:
-        raise cancelled
+        failure = None if work.cancelled() else work.exception()
+        raise cancelled from failure
     return work.result()
 
 
@@ -282,7 +289,7 @@ async def run(
                         hub.watch(watch)
                     reply = await watch.wait(step.seconds)
                 elif step.critical:
-                    reply = await _finish(fanout(clients, step, timeout))
+                    reply = await complete(fanout(clients, step, timeout))
                 else:
                     reply = await fanout(clients, step, timeout)
             except BaseException as exc:

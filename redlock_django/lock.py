@@ -989,22 +989,7 @@ class Redlock:
         hold = self._start_release(owner)
         if hold is None:
             return
-        work = asyncio.ensure_future(self._arelease_hold(owner, hold))
-        cancelled: asyncio.CancelledError | None = None
-        while not work.done():
-            try:
-                await asyncio.wait((work,))
-            except asyncio.CancelledError as exc:
-                cancelled = exc
-        if cancelled is not None:
-            if not work.cancelled() and work.exception() is not None:
-                logger.error(
-                    "redlock %r: release of a cancelled task: %s",
-                    self.resource,
-                    work.exception(),
-                )
-            raise cancelled
-        work.result()
+        await aio.complete(self._arelease_hold(owner, hold))
 
     async def _arelease_hold(self, owner: object, hold: _Hold) -> None:
         if hold.watchdog is not None:
