@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from redis.exceptions import NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from redlock_django import LockLostError, QuorumUnavailableError, Redlock
 from redlock_django.scripts import (
@@ -1064,7 +1065,15 @@ def echo_check(mode: str, rounds: int = 4) -> None:
         clients = node_pools.async_clients(config.nodes, config.node_timeout)
         for i, client in enumerate(clients):
             words = [f"async-{i}-{n}" for n in range(rounds)]
-            replies = await asyncio.gather(*(client.echo(w) for w in words))
+            for again in (False, True):
+                try:
+                    replies = await asyncio.gather(*(client.echo(w) for w in words))
+                    break
+                except RedisTimeoutError:
+                    # A loaded machine can miss the 0.1 s NODE_TIMEOUT: no reply
+                    # is not a wrong reply. Only a reply to another call fails.
+                    if again:
+                        raise
             assert replies == [w.encode() for w in words]
 
     asyncio.run(run())
