@@ -1,0 +1,217 @@
+"""The watchdog: extends one hold's lease in the background until stopped.
+
+A daemon thread for holds taken by a thread, an asyncio task for holds taken by
+a task. It runs ``protocol.watchdog_flow`` and holds the hold's extension lock
+from the end of each sleep to the next, so it never overlaps a manual extend().
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from . import aio, nodes, signals, sync
+from .protocol import watchdog_flow
+
+if TYPE_CHECKING:
+    from .lock import _Hold
+
+__all__ = ["Watchdog"]
+
+# The messages keep the logger they always had, so logging settings still apply.
+logger = logging.getLogger("redlock_django.lock")
+
+_clock = time.monotonic
+_jitter = random.random
+
+
+class Watchdog:
+    """Extends one hold's lease in the background until stopped."""
+
+    def __init__(
+        self,
+        hold: _Hold,
+        owner: object,
+        sender: type,
+        report_lost: Callable[[_Hold, str], None],
+    ) -> None:
+        self.hold = hold
+        #: The ``sender`` of the signals (``Redlock``), and how to send
+        #: ``lock_lost`` once per hold: both passed in, as lock.py imports this.
+        self._sender = sender
+        self._report_lost = report_lost
+        # Weak, so an owner that ended without releasing stops the extensions
+        # instead of keeping its lock alive until max_hold (or forever).
+        self._owner = weakref.ref(owner)
+        self._stop = threading.Event()
+        #: A forked child inherits a running watchdog task (not thread) with the
+        #: event loop: it must never extend its parent's lease.
+        self._pid = os.getpid()
+        self._valid_until = hold.lease.valid_until
+        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task[None] | None = None
+        #: Whether this watchdog holds its hold's ``extending`` lock (it does from
+        #: the end of each sleep until the next one: around its extensions).
+        self._extending = False
+
+    def _flow(self) -> Any:
+        config = self.hold.config
+        return watchdog_flow(
+            config.spec, self.hold.lease, config.max_hold, _clock, _jitter
+        )
+
+    def _report(self) -> None:
+        lease = self.hold.lease
+        if lease.lost is not None:
+            logger.error(
+                "redlock %r lost: %s",
+                self.hold.config.spec.resource,
+                lease.lost,
+            )
+            self._report_lost(self.hold, lease.lost)
+        elif not self._stop.is_set():
+            logger.warning(
+                "redlock %r: auto-extension stopped at max_hold=%ss",
+                self.hold.config.spec.resource,
+                self.hold.config.max_hold,
+            )
+
+    def _crashed(self) -> None:
+        """An unexpected error ended the extensions: the lease can no longer be
+        trusted, so the holder learns it lost the lock."""
+        logger.exception("redlock %r watchdog failed", self.hold.config.spec.resource)
+        self.hold.lease.lost = "the watchdog failed"
+        self._report_lost(self.hold, self.hold.lease.lost)
+
+    # Blocking: a daemon thread whose sleeps end early when stopped.
+
+    def start_thread(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run_thread,
+            name=f"redlock-watchdog:{self.hold.config.spec.resource}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _owner_gone(self) -> bool:
+        if os.getpid() != self._pid:
+            return True
+        owner = self._owner()
+        if owner is None:
+            return True
+        if isinstance(owner, threading.Thread):
+            return not owner.is_alive()
+        return cast(asyncio.Task[Any], owner).done()
+
+    def _note_extension(self) -> None:
+        lease = self.hold.lease
+        grown = lease.valid_until > self._valid_until
+        self._valid_until = lease.valid_until
+        if grown:
+            signals.lock_extended.send(
+                sender=self._sender,
+                lock=self.hold.lock,
+                resource=self.hold.config.spec.resource,
+                validity=lease.valid_until - _clock(),
+            )
+
+    def _let_go(self) -> None:
+        """Let manual extensions run again (the watchdog is about to sleep)."""
+        if self._extending:
+            self._extending = False
+            if self._task is not None:
+                self.hold.aextending().release()
+            else:
+                self.hold.extending.release()
+
+    def _sleep(self, seconds: float) -> None:
+        self._let_go()
+        self._note_extension()
+        if self._stop.wait(seconds) or self._owner_gone():
+            raise _Stopped
+        # A manual extend() under way finishes first; the flow then reads the
+        # lease it left.
+        self.hold.extending.acquire()
+        self._extending = True
+        if self._stop.is_set():
+            raise _Stopped
+
+    async def _asleep(self, seconds: float) -> None:
+        self._let_go()
+        self._note_extension()
+        await asyncio.sleep(seconds)
+        if self._stop.is_set() or self._owner_gone():
+            raise _Stopped
+        await self.hold.aextending().acquire()
+        self._extending = True
+        if self._stop.is_set():
+            raise _Stopped
+
+    def _run_thread(self) -> None:
+        config = self.hold.config
+        pools = nodes.sync_pools(config.nodes, config.node_timeout)
+        try:
+            sync.run(self._flow(), pools, config.node_timeout, sleep=self._sleep)
+        except _Stopped:
+            return
+        except Exception:
+            self._crashed()
+            return
+        finally:
+            self._let_go()
+        self._report()
+
+    # asyncio: a task, cancelled when stopped.
+
+    def start_task(self) -> None:
+        self._task = asyncio.ensure_future(self._run_task())
+
+    async def _run_task(self) -> None:
+        config = self.hold.config
+        clients = nodes.async_clients(config.nodes, config.node_timeout)
+        try:
+            await aio.run(self._flow(), clients, config.node_timeout, self._asleep)
+        except _Stopped:
+            return
+        except asyncio.CancelledError:
+            if self._stop.is_set():
+                return
+            raise
+        except Exception:
+            self._crashed()
+            return
+        finally:
+            self._let_go()
+        self._report()
+
+    def halt(self) -> None:
+        """Stop extending without waiting: the thread or task ends on its own."""
+        self._stop.set()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def stop(self) -> None:
+        """Stop extending, and wait for an extension under way to end."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    async def astop(self) -> None:
+        self._stop.set()
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        elif self._thread is not None:
+            await asyncio.to_thread(self.stop)
+
+
+class _Stopped(Exception):
+    """Raised in the watchdog thread's sleep when the hold was released."""
