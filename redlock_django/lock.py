@@ -76,47 +76,6 @@ TOKEN_BYTES = 20
 _clock = time.monotonic
 _jitter = random.random
 
-#: Shortest pause before re-acquiring a lock this process just released to waiters.
-HANDOFF_GRACE = 0.002
-# lock identity -> monotonic time until which this process lets waiters take the
-# lock it just released before trying again itself (see ``_note_handoff``).
-_handoffs: dict[tuple[Any, ...], float] = {}
-
-
-def _note_handoff(config: _Config, outcome: Release, elapsed: float) -> None:
-    """Remember a release that others were waiting for.
-
-    A process that releases and re-acquires at once (a loop) would nearly always
-    beat the waiters it just woke, whose retries start a message later: it defers
-    its next attempt by a few of its own round trips instead, so the lock changes
-    hands. Waiters are known from the release's subscriber counts, less this
-    process's own subscriptions, and from this process's own waiting threads/tasks.
-    """
-    if not wake.watching() and not any(outcome.listeners):
-        return  # nobody here or elsewhere was waiting: the common case, no lookups
-    spec = config.spec
-    channel = spec.key.encode()
-    hub = wake.hub(nodes.sync_pools(config.nodes, config.node_timeout))
-    others = hub.waiting(channel) > 0 or any(
-        heard - hub.listening(i, channel) > 0
-        for i, heard in enumerate(outcome.listeners)
-    )
-    if not others:
-        return
-    grace = min(spec.retry_delay + spec.retry_jitter, max(HANDOFF_GRACE, 4 * elapsed))
-    if len(_handoffs) > 1000:
-        now = _clock()
-        for identity, until in list(_handoffs.items()):
-            if until <= now:
-                _handoffs.pop(identity, None)
-    _handoffs[config.identity] = _clock() + grace
-
-
-def _handoff_defer(identity: tuple[Any, ...]) -> float:
-    """Seconds this process should still leave to the waiters of ``identity``."""
-    until = _handoffs.pop(identity, None)
-    return 0.0 if until is None else max(0.0, until - _clock())
-
 
 def check_resource(resource: object, limit: int = MAX_RESOURCE_LENGTH) -> str:
     """Return ``resource`` if it is a valid lock name, else raise ``ValueError``.
@@ -221,7 +180,7 @@ _inherited: list[object] = []
 
 
 def _forget_parent_holds() -> None:
-    """In a forked child: start with no holds, hand-offs or locks of the parent.
+    """In a forked child: start with no holds or locks of the parent.
 
     Holds are keyed by the Thread object, which survives fork(): without this a
     child's acquire would re-enter its parent's hold with no network call. The
@@ -234,7 +193,6 @@ def _forget_parent_holds() -> None:
     _holds = weakref.WeakKeyDictionary()
     _replaced = weakref.WeakKeyDictionary()
     _holds_lock = threading.Lock()
-    _handoffs.clear()
 
 
 os.register_at_fork(after_in_child=_forget_parent_holds)
@@ -572,7 +530,15 @@ class Redlock:
     ) -> None:
         _drop_hold(owner, hold.config.identity)
         if outcome.released:
-            _note_handoff(hold.config, outcome, elapsed)
+            config = hold.config
+            wake.note_handoff(
+                config.identity,
+                config.spec,
+                config.nodes,
+                config.node_timeout,
+                outcome.listeners,
+                elapsed,
+            )
         lease = hold.lease
         spec = hold.config.spec
         now = _clock()
@@ -626,7 +592,7 @@ class Redlock:
                 return None
         token = secrets.token_urlsafe(TOKEN_BYTES)
         meta = self._meta(config, holder)
-        defer = _handoff_defer(config.identity) if _handoffs else 0.0
+        defer = wake.handoff_defer(config.identity)
         flow = acquire_flow(config.spec, token, meta, wait, _clock, _jitter, defer)
         return config, flow
 

@@ -30,9 +30,19 @@ from typing import Any
 import redis
 from django.core.signals import setting_changed
 
-from .nodes import describe
+from .conf import NodeSpec
+from .nodes import describe, sync_pools
+from .protocol import LockSpec
 
-__all__ = ["AsyncWatch", "Hub", "SyncWatch", "hub", "reset"]
+__all__ = [
+    "AsyncWatch",
+    "Hub",
+    "SyncWatch",
+    "handoff_defer",
+    "hub",
+    "note_handoff",
+    "reset",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +55,8 @@ RECONNECT = 0.5
 #: Release ids remembered per channel: one release publishes on every node, and
 #: waking a waiter once per node would only send it retries that cannot win.
 SEEN = 8
+#: Shortest pause before re-acquiring a lock this process just released to waiters.
+HANDOFF_GRACE = 0.002
 
 
 class _Watch:
@@ -328,7 +340,7 @@ class Hub:
 
 
 #: Waiters of this process, on every hub: releases skip their hand-off checks
-#: when it is 0 and nobody elsewhere heard them (lock.py).
+#: when it is 0 and nobody elsewhere heard them (``note_handoff``).
 _watching = 0
 _watching_lock = threading.Lock()
 
@@ -367,11 +379,59 @@ def reset() -> None:
         found.close()
 
 
+# lock identity -> monotonic time until which this process lets waiters take the
+# lock it just released before trying again itself (see ``note_handoff``).
+_handoffs: dict[tuple[Any, ...], float] = {}
+
+
+def note_handoff(
+    identity: tuple[Any, ...],
+    spec: LockSpec,
+    node_specs: Sequence[NodeSpec],
+    node_timeout: float,
+    listeners: Sequence[int],
+    elapsed: float,
+) -> None:
+    """Remember a release that others were waiting for.
+
+    A process that releases and re-acquires at once (a loop) would nearly always
+    beat the waiters it just woke, whose retries start a message later: it defers
+    its next attempt by a few of its own round trips instead, so the lock changes
+    hands. Waiters are known from the release's subscriber counts (``listeners``,
+    per node), less this process's own subscriptions, and from this process's own
+    waiting threads/tasks.
+    """
+    if not watching() and not any(listeners):
+        return  # nobody here or elsewhere was waiting: the common case, no lookups
+    channel = spec.key.encode()
+    found = hub(sync_pools(node_specs, node_timeout))
+    others = found.waiting(channel) > 0 or any(
+        heard - found.listening(i, channel) > 0 for i, heard in enumerate(listeners)
+    )
+    if not others:
+        return
+    grace = min(spec.retry_delay + spec.retry_jitter, max(HANDOFF_GRACE, 4 * elapsed))
+    if len(_handoffs) > 1000:
+        now = time.monotonic()
+        for stale, until in list(_handoffs.items()):
+            if until <= now:
+                _handoffs.pop(stale, None)
+    _handoffs[identity] = time.monotonic() + grace
+
+
+def handoff_defer(identity: tuple[Any, ...]) -> float:
+    """Seconds this process should still leave to the waiters of ``identity``."""
+    if not _handoffs:
+        return 0.0
+    until = _handoffs.pop(identity, None)
+    return 0.0 if until is None else max(0.0, until - time.monotonic())
+
+
 _inherited: list[object] = []
 
 
 def _forget_parent_hubs() -> None:
-    """In a forked child: no hubs, waiters or locks of the parent.
+    """In a forked child: no hubs, waiters, hand-offs or locks of the parent.
 
     The parent's reader threads do not exist in the child, a parent thread may
     have held these locks at the fork, and its waiters are not the child's.
@@ -384,6 +444,7 @@ def _forget_parent_hubs() -> None:
     _hubs_lock = threading.Lock()
     _watching = 0
     _watching_lock = threading.Lock()
+    _handoffs.clear()
 
 
 os.register_at_fork(after_in_child=_forget_parent_hubs)
