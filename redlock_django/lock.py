@@ -539,28 +539,17 @@ class Redlock:
                 outcome.listeners,
                 elapsed,
             )
-        lease = hold.lease
         spec = hold.config.spec
-        now = _clock()
-        held_for = now - lease.acquired
+        held_for = _clock() - hold.lease.acquired
         released, failed = outcome.released, len(outcome.failed)
         signals.lock_released.send(
             sender=Redlock, lock=self, resource=self.resource, held=held_for
         )
-        why = lease.lost
-        if why is None and now >= lease.valid_until:
-            why = f"its lease ran out {now - lease.valid_until:.3f}s before release"
-        if why is None and hold.releases == 1 and released + failed < spec.quorum:
-            # Nodes that answered no longer had our token: it was force-released,
-            # evicted, or lost in a restart, so another holder may have come in.
-            why = (
-                f"only {released}/{spec.node_count} nodes still held it "
-                f"({failed} did not answer)"
-            )
-        if why is not None:
-            _report_lost(hold, why)
+        if outcome.lost is not None:
+            _report_lost(hold, outcome.lost)
             raise LockLostError(
-                f"lock {self.resource!r} was lost while held ({held_for:.3f}s): {why}",
+                f"lock {self.resource!r} was lost while held ({held_for:.3f}s): "
+                f"{outcome.lost}",
                 resource=self.resource,
                 granted=released,
                 nodes=spec.node_count,
@@ -614,6 +603,13 @@ class Redlock:
             hold.depth -= 1
             return None
         return hold
+
+    def _release_flow(self, hold: _Hold) -> Any:
+        lease = hold.lease
+        retry = hold.releases > 1
+        return release_flow(
+            hold.config.spec, lease.token, lease=lease, clock=_clock, retry=retry
+        )
 
     def _contention(self) -> LockContentionError:
         config = self._resolve()
@@ -674,9 +670,8 @@ class Redlock:
         config = hold.config
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         start = _clock()
-        outcome = sync.run(
-            release_flow(config.spec, hold.lease.token), pools, config.node_timeout
-        )
+        flow = self._release_flow(hold)
+        outcome = sync.run(flow, pools, config.node_timeout)
         self._finish_release(owner, hold, outcome, _clock() - start)
 
     def extend(self, ttl: float | None = None) -> bool:
@@ -789,9 +784,8 @@ class Redlock:
         config = hold.config
         clients = nodes.async_clients(config.nodes, config.node_timeout)
         start = _clock()
-        outcome = await aio.run(
-            release_flow(config.spec, hold.lease.token), clients, config.node_timeout
-        )
+        flow = self._release_flow(hold)
+        outcome = await aio.run(flow, clients, config.node_timeout)
         self._finish_release(owner, hold, outcome, _clock() - start)
 
     async def aextend(self, ttl: float | None = None) -> bool:

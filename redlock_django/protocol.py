@@ -178,6 +178,9 @@ class Release:
     failed: dict[str, str] = field(default_factory=dict)
     #: Per node, how many subscribers heard the release (0 where not released).
     listeners: tuple[int, ...] = ()
+    #: Why the lock was lost while held, or None: the verdict ``release_flow``
+    #: reaches when given the lease.
+    lost: str | None = None
 
 
 @dataclass
@@ -448,8 +451,23 @@ def extend_flow(
     return Extension(confirms, None, failed)
 
 
-def release_flow(spec: LockSpec, token: str) -> Generator[Step, Any, Release]:
-    """Delete our token's key on every node; keys of other tokens are left alone."""
+def release_flow(
+    spec: LockSpec,
+    token: str,
+    *,
+    lease: Lease | None = None,
+    clock: Clock | None = None,
+    retry: bool = False,
+) -> Generator[Step, Any, Release]:
+    """Delete our token's key on every node; keys of other tokens are left alone.
+
+    Given the ``lease`` (and a ``clock``), the outcome also says whether the lock
+    was lost while held: the lease was marked lost, ran out before the release
+    ended, or, on a first try (not a ``retry``, which finds the keys its first
+    try deleted), fewer than a quorum of nodes still had our token.
+    """
+    if lease is not None and clock is None:
+        raise ValueError("release_flow needs a clock to judge a lease")
     every = tuple(range(spec.node_count))
     replies: Replies = yield Fanout(
         RELEASE_SCRIPT,
@@ -463,7 +481,29 @@ def release_flow(spec: LockSpec, token: str) -> Generator[Step, Any, Release]:
     counts = tuple(r.value if released(r.value) else 0 for r in replies)
     listeners = tuple(max(0, n - 1) for n in counts)
     done = sum(1 for n in counts if n)
-    return Release(done, _failed(spec, replies, every), listeners)
+    failed = _failed(spec, replies, every)
+    lost = None
+    if lease is not None and clock is not None:
+        lost = _lost_at_release(spec, lease, clock(), done, len(failed), retry)
+    return Release(done, failed, listeners, lost)
+
+
+def _lost_at_release(
+    spec: LockSpec, lease: Lease, now: float, done: int, failed: int, retry: bool
+) -> str | None:
+    """Why a lease just released was lost while held, or None if it was not."""
+    if lease.lost is not None:
+        return lease.lost
+    if now >= lease.valid_until:
+        return f"its lease ran out {now - lease.valid_until:.3f}s before release"
+    if not retry and done + failed < spec.quorum:
+        # Nodes that answered no longer had our token: it was force-released,
+        # evicted, or lost in a restart, so another holder may have come in.
+        return (
+            f"only {done}/{spec.node_count} nodes still held it "
+            f"({failed} did not answer)"
+        )
+    return None
 
 
 def locked_flow(spec: LockSpec) -> Generator[Step, Any, bool]:

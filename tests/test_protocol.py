@@ -639,3 +639,48 @@ def test_a_majority_that_really_failed_fails_fast_even_if_the_client_was_late() 
     assert len(info.value.failed) == 5
     assert [s.script for s in steps] == [ACQUIRE_SCRIPT, RELEASE_SCRIPT]
     assert clock.now == 1000.0
+
+
+def test_release_judges_the_lease_lost_when_too_few_nodes_still_had_it() -> None:
+    """A first release that finds our token on fewer than a quorum says the lock
+    was lost; a retry (its first try deleted the keys) and a full release do not."""
+    clock = FakeClock()
+    down = NodeReply(error="timed out")
+    replies = [NodeReply(1), NodeReply(0), NodeReply(0), down, NodeReply(0)]
+    held = lease(valid_until=2000.0)
+    first, _ = drive(
+        release_flow(spec(), "tok", lease=held, clock=clock), lambda s: replies, clock
+    )
+    retry, _ = drive(
+        release_flow(spec(), "tok", lease=held, clock=clock, retry=True),
+        lambda s: replies,
+        clock,
+    )
+    full, _ = drive(
+        release_flow(spec(), "tok", lease=held, clock=clock),
+        lambda s: ok(1, 1, 1, 0, 0),
+        clock,
+    )
+    assert first.lost == "only 1/5 nodes still held it (1 did not answer)"
+    assert retry.lost is None and full.lost is None
+
+
+def test_release_judges_a_lease_marked_lost_or_run_out_lost() -> None:
+    """The lease's own loss comes first; a lease past its validity when the
+    release ends ran out while held, whatever the nodes answered."""
+    clock = FakeClock(1000.0)
+    marked = lease(valid_until=2000.0)
+    marked.lost = "the watchdog failed"
+    gone, _ = drive(
+        release_flow(spec(), "tok", lease=marked, clock=clock),
+        lambda s: ok(1, 1, 1, 1, 1),
+        clock,
+    )
+    late = lease(valid_until=999.5)
+    ran_out, _ = drive(
+        release_flow(spec(), "tok", lease=late, clock=clock),
+        lambda s: ok(1, 1, 1, 1, 1),
+        clock,
+    )
+    assert gone.lost == "the watchdog failed"
+    assert ran_out.lost == "its lease ran out 0.500s before release"
