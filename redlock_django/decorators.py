@@ -117,7 +117,6 @@ from .exceptions import (
     QuorumUnavailableError,
 )
 from .lock import MAX_RESOURCE_LENGTH, Redlock
-from .protocol import quorum
 
 __all__ = [
     "MAX_VALUE_LENGTH",
@@ -754,15 +753,6 @@ class _Guard:
         ttl = self.ttl if self.ttl is not None else get_settings().ttl
         return _Held(lock, ttl, view_name)
 
-    def _contention(self, lock: Redlock) -> LockContentionError:
-        count = len(get_settings().nodes)
-        return LockContentionError(
-            f"could not acquire {lock.resource!r}: held by another owner",
-            resource=lock.resource,
-            nodes=count,
-            quorum=quorum(count),
-        )
-
     def _locked(self) -> Callable[[HttpRequest, Any], HttpResponseBase]:
         ttl = self.ttl if self.ttl is not None else get_settings().ttl
         return functools.partial(_locked, retry=max(1, math.ceil(ttl)))
@@ -801,12 +791,11 @@ class _Guard:
         if not isinstance(lock, Redlock):
             return lock
         try:
-            acquired = lock.acquire(**self._acquire_args())
+            lock._acquire(**self._acquire_args(), raise_on_contention=True)
+        except LockContentionError as exc:
+            return self._hook(on_locked, request, exc, self._locked())
         except QuorumUnavailableError as exc:
             return self._hook(on_unavailable, request, exc, _unavailable)
-        if not acquired:
-            contention = self._contention(lock)
-            return self._hook(on_locked, request, contention, self._locked())
         held = self._held(lock, _view_name(request, view_name))
         previous = _set_redlock(request, lock)
         try:
@@ -855,12 +844,11 @@ class _Guard:
         if not isinstance(lock, Redlock):
             return lock
         try:
-            acquired = await lock.aacquire(**self._acquire_args())
+            await lock._aacquire(**self._acquire_args(), raise_on_contention=True)
+        except LockContentionError as exc:
+            return await self._ahook(on_locked, request, exc, self._locked())
         except QuorumUnavailableError as exc:
             return await self._ahook(on_unavailable, request, exc, _unavailable)
-        if not acquired:
-            contention = self._contention(lock)
-            return await self._ahook(on_locked, request, contention, self._locked())
         held = self._held(lock, _view_name(request, view_name))
         previous = _set_redlock(request, lock)
         try:

@@ -500,14 +500,19 @@ class Redlock:
         )
         return hold
 
-    def _not_acquired(self, exc: LockError, since: float) -> bool:
-        """Signal a failed acquisition: False on contention, else re-raise."""
+    def _not_acquired(self, exc: LockError, since: float, raise_all: bool) -> bool:
+        """Signal a failed acquisition: False on contention, else re-raise.
+
+        With ``raise_all`` contention is raised too: the protocol's own error,
+        with the nodes that granted and failed.
+        """
         waited = _clock() - since
         if isinstance(exc, LockContentionError):
             signals.lock_contended.send(
                 sender=Redlock, lock=self, resource=self.resource, waited=waited
             )
-            return False
+            if not raise_all:
+                return False
         signals.lock_unavailable.send(
             sender=Redlock, lock=self, resource=self.resource, waited=waited, error=exc
         )
@@ -611,15 +616,6 @@ class Redlock:
             hold.config.spec, lease.token, lease=lease, clock=_clock, retry=retry
         )
 
-    def _contention(self) -> LockContentionError:
-        config = self._resolve()
-        return LockContentionError(
-            f"could not acquire {self.resource!r}: held by another owner",
-            resource=self.resource,
-            nodes=config.spec.node_count,
-            quorum=config.spec.quorum,
-        )
-
     def _exit(self, exc: BaseException | None, lost: LockLostError) -> None:
         if exc is None:
             raise lost
@@ -636,6 +632,17 @@ class Redlock:
         ``QuorumUnavailableError`` when too few nodes answer: an outage, not a busy
         lock.
         """
+        return self._acquire(blocking, timeout)
+
+    def _acquire(
+        self,
+        blocking: bool = True,
+        timeout: float | None = None,
+        *,
+        raise_on_contention: bool = False,
+    ) -> bool:
+        """``acquire()``; with ``raise_on_contention`` a lock still held when the
+        wait ends raises the protocol's ``LockContentionError`` instead of False."""
         owner = _sync_owner("acquire")
         holder = threading.current_thread().name
         started = self._start_acquire(owner, blocking, timeout, holder)
@@ -648,7 +655,7 @@ class Redlock:
             hub = wake.hub(pools) if config.wake_ups else None
             grant = sync.run(flow, pools, config.node_timeout, hub=hub)
         except (LockContentionError, QuorumUnavailableError) as exc:
-            return self._not_acquired(exc, since)
+            return self._not_acquired(exc, since, raise_on_contention)
         hold = self._grant(owner, config, grant, since)
         if hold.watchdog is not None:
             hold.watchdog.start_thread()
@@ -721,8 +728,7 @@ class Redlock:
         return True
 
     def __enter__(self) -> Redlock:
-        if not self.acquire():
-            raise self._contention()
+        self._acquire(raise_on_contention=True)
         return self
 
     def __exit__(
@@ -742,6 +748,16 @@ class Redlock:
         self, blocking: bool = True, timeout: float | None = None
     ) -> bool:
         """Acquire the lock from a coroutine; see ``acquire()``."""
+        return await self._aacquire(blocking, timeout)
+
+    async def _aacquire(
+        self,
+        blocking: bool = True,
+        timeout: float | None = None,
+        *,
+        raise_on_contention: bool = False,
+    ) -> bool:
+        """``aacquire()``; see ``_acquire()`` for ``raise_on_contention``."""
         owner = _async_owner("acquire")
         holder = cast(asyncio.Task[Any], owner).get_name()
         started = self._start_acquire(owner, blocking, timeout, holder)
@@ -758,7 +774,7 @@ class Redlock:
         try:
             grant = await aio.run(flow, clients, config.node_timeout, hub=hub)
         except (LockContentionError, QuorumUnavailableError) as exc:
-            return self._not_acquired(exc, since)
+            return self._not_acquired(exc, since, raise_on_contention)
         hold = self._grant(owner, config, grant, since)
         if hold.watchdog is not None:
             hold.watchdog.start_task()
@@ -809,8 +825,7 @@ class Redlock:
         )
 
     async def __aenter__(self) -> Redlock:
-        if not await self.aacquire():
-            raise self._contention()
+        await self._aacquire(raise_on_contention=True)
         return self
 
     async def __aexit__(

@@ -1006,3 +1006,45 @@ def test_releasing_before_the_commit_loses_updates(
     The next holder reads the value before the previous write commits.
     """
     assert _post_concurrently("/views/bump-early/c/") < THREADS * REQUESTS_EACH
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_on_locked_hook_gets_the_nodes_that_granted_and_failed(
+    rf: Any,
+    redlock_settings: dict[str, Any],
+    nodes: Any,
+    settings: Any,
+    is_async: bool,
+) -> None:
+    """on_locked gets the contention error of the failed attempt itself: its
+    ``granted`` count and ``failed`` nodes (one that did not answer is named)."""
+    settings.REDLOCK = {**redlock_settings, "WAIT_TIMEOUT": 0.3}
+    seen: list[Any] = []
+
+    def hook(request: HttpRequest, exc: Exception) -> HttpResponse:
+        seen.append(exc)
+        return HttpResponse("busy", status=409)
+
+    def sync_view(request: HttpRequest, item: str) -> HttpResponse:
+        return HttpResponse("ran")
+
+    async def async_view(request: HttpRequest, item: str) -> HttpResponse:
+        return HttpResponse("ran")
+
+    view: Any = distributed_lock("item:{item}", on_locked=hook)(
+        async_view if is_async else sync_view
+    )
+    lock = Redlock("item:g")
+    assert lock.acquire()
+    nodes[4].pause()
+    try:
+        response = view(rf.get("/"), item="g")
+        if is_async:
+            response = asyncio.run(response)
+    finally:
+        nodes[4].resume()
+        lock.release()
+    assert (response.status_code, response.content) == (409, b"busy")
+    (exc,) = seen
+    assert (exc.granted, exc.nodes, exc.quorum) == (0, 5, 3)
+    assert list(exc.failed) == [lock._resolve().spec.node_names[4]]

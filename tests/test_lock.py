@@ -122,6 +122,31 @@ async def test_context_manager_raises_contention_and_skips_the_body(
     await other.release(lock)
 
 
+async def test_context_manager_raises_the_protocols_contention_error(
+    api: SyncAPI,
+    other: SyncAPI,
+    nodes: Any,
+    settings: Any,
+    redlock_settings: dict[str, Any],
+) -> None:
+    """``with`` raises the error of the failed attempt itself: it names the nodes
+    that granted and those that did not answer, not a copy without them."""
+    settings.REDLOCK = {**redlock_settings, "WAIT_TIMEOUT": 0.3}
+    lock = Redlock("ctx-real")
+    await other.acquire(lock)
+    nodes[4].pause()
+    try:
+        with pytest.raises(LockContentionError) as info:
+            async with api.hold(lock):
+                pass
+    finally:
+        nodes[4].resume()
+    await other.release(lock)
+    assert info.value.granted == 0
+    assert list(info.value.failed) == [lock._resolve().spec.node_names[4]]
+    assert "held by another owner: 0/5 nodes, quorum 3" in str(info.value)
+
+
 async def test_release_by_an_owner_that_does_not_hold_it_leaves_the_lock(
     api: SyncAPI, other: SyncAPI, nodes: Any
 ) -> None:
