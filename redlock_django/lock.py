@@ -10,6 +10,7 @@ owner's hold. Settings are read at first use, never at import time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import json
@@ -362,18 +363,22 @@ class Redlock:
         config = self._config
         if config is not None and self._config_from is settings:
             return config
-        node_specs = self._nodes if self._nodes is not None else settings.nodes
-        ttl = self.ttl if self.ttl is not None else settings.ttl
-        node_timeout = (
-            self.node_timeout
-            if self.node_timeout is not None
-            else settings.node_timeout
+        # This object's options, where given, over the settings of the moment.
+        given: dict[str, Any] = {
+            "nodes": self._nodes,
+            "ttl": self.ttl,
+            "node_timeout": self.node_timeout,
+            "drift_factor": self.drift_factor,
+            "retry_delay": self.retry_delay,
+            "retry_jitter": self.retry_jitter,
+            "auto_extend": self.auto_extend,
+            "max_hold": self.max_hold,
+        }
+        merged = dataclasses.replace(
+            settings, **{name: v for name, v in given.items() if v is not None}
         )
-        drift_factor = (
-            self.drift_factor
-            if self.drift_factor is not None
-            else settings.drift_factor
-        )
+        ttl, node_timeout = merged.ttl, merged.node_timeout
+        drift_factor = merged.drift_factor
         if validity(ttl, node_timeout, drift_factor) <= 0:
             # Even a reply at the node timeout would leave no validity: every
             # attempt would be refused as too slow. Say so before sending anything.
@@ -381,40 +386,28 @@ class Redlock:
                 f"ttl ({ttl}s) leaves no validity after node_timeout ({node_timeout}s) "
                 f"and the clock drift allowance ({drift(ttl, drift_factor):.3f}s)"
             )
-        prefix = settings.key_prefix
+        prefix = merged.key_prefix
         spec = LockSpec(
             resource=self.resource,
             key=f"{prefix}:lock:{key_name(self.resource)}",
-            node_names=tuple(n.display for n in node_specs),
+            node_names=tuple(n.display for n in merged.nodes),
             ttl=ttl,
             drift_factor=drift_factor,
-            retry_delay=(
-                self.retry_delay
-                if self.retry_delay is not None
-                else settings.retry_delay
-            ),
-            retry_jitter=(
-                self.retry_jitter
-                if self.retry_jitter is not None
-                else settings.retry_jitter
-            ),
+            retry_delay=merged.retry_delay,
+            retry_jitter=merged.retry_jitter,
             fence_key=(
                 f"{prefix}:fence:{key_name(self.resource)}" if self.fencing else None
             ),
         )
         config = _Config(
             spec=spec,
-            nodes=node_specs,
+            nodes=merged.nodes,
             node_timeout=node_timeout,
-            wait_timeout=settings.wait_timeout,
-            auto_extend=(
-                self.auto_extend
-                if self.auto_extend is not None
-                else settings.auto_extend
-            ),
-            max_hold=self.max_hold if self.max_hold is not None else settings.max_hold,
-            wake_ups=settings.wake_ups,
-            identity=(tuple(n.identity for n in node_specs), spec.key),
+            wait_timeout=merged.wait_timeout,
+            auto_extend=merged.auto_extend,
+            max_hold=merged.max_hold,
+            wake_ups=merged.wake_ups,
+            identity=(tuple(n.identity for n in merged.nodes), spec.key),
         )
         self._config, self._config_from = config, settings
         return config
