@@ -39,16 +39,22 @@ import redis.asyncio
 from redis.exceptions import NoScriptError
 
 from .nodes import describe
-from .protocol import LATE, UNAWAITED, Fanout, NodeReply, Sleep, Step
-from .sync import LATE_SLACK
+from .protocol import (
+    LATE,
+    LATE_SLACK,
+    UNAWAITED,
+    Fanout,
+    NodeReply,
+    Sleep,
+    Step,
+    grace,
+)
 from .wake import AsyncWatch, Hub
 
 __all__ = ["complete", "fanout", "run"]
 
 T = TypeVar("T")
 
-#: Least time given to the other nodes once a quorum decided a fan-out.
-_GRACE = 0.001
 #: Loop turns run at the deadline before giving up on a node: one for the
 #: selector to report a socket, one for its callback to feed the reply to the
 #: reader, one for the call to parse it, one spare.
@@ -193,8 +199,7 @@ async def fanout(
         if pending and need and wins >= need:
             # Known outcome: give the other nodes a few round trips (as sync.py
             # does), then stop waiting for a slow or hung one.
-            grace = max(_GRACE, 2 * (loop.time() - began))
-            _, pending = await asyncio.wait(pending, timeout=grace)
+            _, pending = await asyncio.wait(pending, timeout=grace(loop.time() - began))
             why = UNAWAITED
         # Replies that sit in socket buffers are read before any node is given
         # up: the loop runs its ready callbacks and polls its sockets.

@@ -50,6 +50,25 @@ UNAWAITED = "not waited for: a quorum had answered"
 #: the client itself ran late (a busy event loop, a starved thread), so the missing
 #: reply says nothing about the node. Such failures never count towards an outage.
 LATE = "client ran late"
+#: A look at the replies more than this share of NODE_TIMEOUT after the deadline
+#: means the client itself was late: the nodes it did not hear are marked ``LATE``.
+#: Half a timeout: far above the scheduling noise of a loaded host (a few ms), far
+#: below the stalls (a blocked loop, a starved thread) that made healthy nodes look
+#: dead.
+LATE_SLACK = 0.5
+#: Least time given to the other nodes once a quorum decided a fan-out.
+_GRACE = 0.001
+
+
+def grace(elapsed: float) -> float:
+    """Return how long a fan-out still waits once ``need`` winning replies arrived.
+
+    Healthy nodes answer within a few round trips of each other, so twice the
+    ``elapsed`` time of the fan-out (at least ``_GRACE``): only a slow or hung node
+    is left behind.
+    """
+    return max(_GRACE, 2 * elapsed)
+
 
 Clock = Callable[[], float]
 Random = Callable[[], float]

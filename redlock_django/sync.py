@@ -50,15 +50,22 @@ except ImportError:  # pragma: no cover - another redis-py layout
     _NOT_ENOUGH_DATA = object()
 
 from .nodes import describe
-from .protocol import LATE, UNAWAITED, Fanout, NodeReply, Sleep, Step
+from .protocol import (
+    LATE,
+    LATE_SLACK,
+    UNAWAITED,
+    Fanout,
+    NodeReply,
+    Sleep,
+    Step,
+    grace,
+)
 from .wake import Hub, SyncWatch
 
 __all__ = ["fanout", "run"]
 
 #: The shortest read timeout: a zero timeout would make the socket non-blocking.
 _MIN_WAIT = 0.0001
-#: Least time given to the other nodes once a quorum decided a fan-out.
-_GRACE = 0.001
 #: After connecting to a node timed out, seconds during which fan-outs do not try
 #: again (the node just counts as failed). A frozen server whose listen backlog is
 #: full, or a partitioned host, would otherwise cost every fan-out a whole
@@ -66,12 +73,6 @@ _GRACE = 0.001
 STALL_HOLD = 1.0
 #: Idle connections kept per node; more (a burst of threads) are closed on return.
 MAX_IDLE = 32
-#: A look at the replies more than this share of NODE_TIMEOUT after the deadline
-#: means the client itself was late: the nodes it did not hear are marked ``LATE``.
-#: Half a timeout: far above the scheduling noise of a loaded host (a few ms), far
-#: below the stalls (a blocked loop, a starved thread) that made healthy nodes look
-#: dead. The asyncio driver uses it too.
-LATE_SLACK = 0.5
 
 
 class _Idle:
@@ -256,81 +257,137 @@ def _command(step: Fanout, by_sha: bool) -> tuple[Any, ...]:
     return (*head, len(step.keys), *step.keys, *step.args)
 
 
-def fanout(
-    pools: Sequence[redis.ConnectionPool], step: Fanout, timeout: float
-) -> list[NodeReply]:
-    """Run ``step`` on its nodes at once; return one reply per targeted node."""
-    targets = range(len(pools)) if step.nodes is None else step.nodes
-    began = time.monotonic()
-    replies: dict[int, NodeReply] = {}
-    # Clean-ups go as EVAL: a node that never answers (frozen, then resumed) may
-    # run them long after this call gave up, with nobody left to resend the source
-    # after a NOSCRIPT. Redis caches the script either way.
-    command = _command(step, by_sha=not step.critical)
-    packed: Any = None
-    # fd -> [node, its idle deque, connection, may retry on a new connection,
-    # NOSCRIPT already answered by resending the source]
-    waiting: dict[int, list[Any]] = {}
-    poller = select.poll()
-    any_tls = False
-    pid = os.getpid()
-    for i in targets:
-        idle, conn, reused = _take(pools[i], pid)
-        if not reused and began - idle.stalled_at < STALL_HOLD:
-            ago = began - idle.stalled_at
-            replies[i] = NodeReply(
-                error=f"skipped: connecting timed out {ago:.2f}s ago"
-            )
-            continue
-        if packed is None:  # every connection packs alike: pack once
-            packed = _pack(conn, command)
-        try:
-            _send(conn, packed)
-        except Exception as exc:
-            conn.disconnect()
-            if not reused:
-                _stalled(idle, exc)
-                replies[i] = NodeReply(error=describe(exc))
+class _Call:
+    """One node's call in a fan-out: its connection and what was tried on it."""
+
+    __slots__ = ("conn", "idle", "index", "resent", "reused")
+
+    def __init__(self, index: int, idle: _Idle, conn: Any, reused: bool) -> None:
+        self.index = index
+        self.idle = idle
+        self.conn = conn
+        #: An idle connection: one the server closed may be retried on a new one.
+        self.reused = reused
+        #: NOSCRIPT was already answered by resending the script's source.
+        self.resent = False
+
+
+class _Round:
+    """One fan-out under way: the calls still waiting, the replies and the deadline."""
+
+    __slots__ = (
+        "any_tls",
+        "began",
+        "deadline",
+        "looked",
+        "packed",
+        "poller",
+        "pools",
+        "replies",
+        "step",
+        "timeout",
+        "waiting",
+        "why",
+    )
+
+    def __init__(
+        self, pools: Sequence[redis.ConnectionPool], step: Fanout, timeout: float
+    ) -> None:
+        self.pools = pools
+        self.step = step
+        self.timeout = timeout
+        self.began = time.monotonic()
+        self.deadline = math.inf
+        self.replies: dict[int, NodeReply] = {}
+        self.waiting: dict[int, _Call] = {}  # by file descriptor
+        self.poller = select.poll()
+        self.any_tls = False
+        self.packed: Any = None
+        self.why = "timed out"
+        #: When the last look at the replies, past the deadline, was taken.
+        self.looked = math.inf
+
+    def send(self, targets: Sequence[int]) -> None:
+        """Write the command to every node before any reply is read."""
+        began, pools, replies = self.began, self.pools, self.replies
+        step = self.step
+        # Clean-ups go as EVAL: a node that never answers (frozen, then resumed) may
+        # run them long after this call gave up, with nobody left to resend the source
+        # after a NOSCRIPT. Redis caches the script either way.
+        command = _command(step, by_sha=not step.critical)
+        pid = os.getpid()
+        for i in targets:
+            idle, conn, reused = _take(pools[i], pid)
+            if not reused and began - idle.stalled_at < STALL_HOLD:
+                ago = began - idle.stalled_at
+                replies[i] = NodeReply(
+                    error=f"skipped: connecting timed out {ago:.2f}s ago"
+                )
                 continue
-            # An idle connection the server closed (a restart) is only found out
-            # when used; the command did not run, so send it on a new one.
-            conn = pools[i].connection_class(**pools[i].connection_kwargs)
+            if self.packed is None:  # every connection packs alike: pack once
+                self.packed = _pack(conn, command)
+            call = _Call(i, idle, conn, reused)
             try:
-                conn.send_packed_command(packed, check_health=False)
+                _send(conn, self.packed)
             except Exception as exc:
                 conn.disconnect()
-                _stalled(idle, exc)
-                replies[i] = NodeReply(error=describe(exc))
-                continue
-            reused = False
-        fd = conn._sock.fileno()
-        poller.register(fd, select.POLLIN)
-        waiting[fd] = [i, idle, conn, reused, False]
-        any_tls = any_tls or _is_tls(conn)
-    # Each node gets a whole NODE_TIMEOUT after its command went out, however long
-    # the writes took this thread (connects, other threads holding the GIL).
-    deadline = time.monotonic() + timeout
-    # Read the replies as they arrive (a slow node first in the list must not
-    # hold up the rest), until every node answered, the deadline passed, or the
-    # step's outcome is known (``need`` winning replies). A node that answers
-    # NOSCRIPT (restarted, or SCRIPT FLUSH) gets the source once and is read again.
-    wins = 0
-    why = "timed out"
-    final = False
-    looked = math.inf
-    need, winning = step.need, step.wins
-    finished = False
-    try:
+                if not reused:
+                    _stalled(idle, exc)
+                    replies[i] = NodeReply(error=describe(exc))
+                    continue
+                # An idle connection the server closed (a restart) is only found
+                # out when used; the command did not run, so send it on a new one.
+                if not self._again(call, stalled=True):
+                    continue
+            self._wait(call)
+            self.any_tls = self.any_tls or _is_tls(call.conn)
+        # Each node gets a whole NODE_TIMEOUT after its command went out, however
+        # long the writes took this thread (connects, other threads holding the GIL).
+        self.deadline = time.monotonic() + self.timeout
+
+    def _again(self, call: _Call, stalled: bool) -> bool:
+        """Send the command once more on a new connection; say whether it went out.
+
+        With ``stalled``, a new connection that timed out holds the node off.
+        """
+        pool = self.pools[call.index]
+        conn = pool.connection_class(**pool.connection_kwargs)
+        try:
+            conn.send_packed_command(self.packed, check_health=False)
+        except Exception as exc:
+            conn.disconnect()
+            if stalled:
+                _stalled(call.idle, exc)
+            self.replies[call.index] = NodeReply(error=describe(exc))
+            return False
+        call.conn, call.reused = conn, False
+        return True
+
+    def _wait(self, call: _Call) -> None:
+        fd = call.conn._sock.fileno()
+        self.poller.register(fd, select.POLLIN)
+        self.waiting[fd] = call
+
+    def read(self) -> None:
+        """Read the replies as they arrive until the step is decided.
+
+        That is: every node answered, the deadline passed, or the step's outcome is
+        known (``need`` winning replies). A slow node first in the list does not
+        hold up the rest.
+        """
+        waiting, poller = self.waiting, self.poller
+        need = self.step.need
+        wins = 0
+        final = False
         while waiting:
-            if need and wins >= need and why != UNAWAITED:
-                # Known outcome: healthy nodes answer within a few round trips of
-                # each other; only a slow or hung node is left behind (and its
+            if need and wins >= need and self.why != UNAWAITED:
+                # Known outcome: only a slow or hung node is left behind (and its
                 # connection kept aside until its reply comes).
                 now = time.monotonic()
-                deadline = min(deadline, now + max(_GRACE, 2 * (now - began)))
-                why = UNAWAITED
+                self.deadline = min(self.deadline, now + grace(now - self.began))
+                self.why = UNAWAITED
             now = time.monotonic()
-            left = deadline - now
+            left = self.deadline - now
             if left <= 0:
                 if final:
                     break
@@ -338,16 +395,16 @@ def fanout(
                 # thread was elsewhere (reading others, waiting for the GIL or a
                 # CPU), or that sit decrypted in a TLS buffer, count.
                 final = True
-                looked = now
-                ready = [(fd, 0) for fd, it in waiting.items() if _arrived(it[2])]
+                self.looked = now
+                ready = [(fd, 0) for fd, c in waiting.items() if _arrived(c.conn)]
                 if not ready:
                     break
             else:
                 # poll() cannot see bytes a TLS layer already decrypted: those
                 # connections are read in turn, blocking up to the deadline.
                 tls = (
-                    next((fd for fd, it in waiting.items() if _is_tls(it[2])), None)
-                    if any_tls
+                    next((fd for fd, c in waiting.items() if _is_tls(c.conn)), None)
+                    if self.any_tls
                     else None
                 )
                 if tls is not None:
@@ -355,76 +412,99 @@ def fanout(
                 else:
                     ready = poller.poll(max(1, math.ceil(left * 1000)))
             for fd, _ in ready:
-                item = waiting.pop(fd)
+                call = waiting.pop(fd)
                 poller.unregister(fd)
-                i, idle, conn, reused, resent = item
-                try:
-                    value = (
-                        conn.read_response(timeout=_MIN_WAIT)
-                        if final
-                        else _read(conn, max(left, _MIN_WAIT))
-                    )
-                except NoScriptError:
-                    if resent:
-                        replies[i] = NodeReply(error="NoScriptError")
-                        _give(idle, conn)
-                        continue
-                    try:
-                        conn.send_command(*_command(step, by_sha=False))
-                    except Exception as exc:
-                        # The connection broke between the NOSCRIPT and the
-                        # resend: this node failed, like any other.
-                        conn.disconnect()
-                        replies[i] = NodeReply(error=describe(exc))
-                        continue
-                    item[3:] = [False, True]
-                except redis.ConnectionError as exc:
-                    conn.disconnect()
-                    if not reused or time.monotonic() >= deadline:
-                        replies[i] = NodeReply(error=describe(exc))
-                        continue
-                    # Closed by the server while idle: retry once on a new
-                    # connection. Every script is idempotent for one token, so a
-                    # command that did run is safe to run again; a timeout is not
-                    # retried.
-                    pool = pools[i]
-                    conn = pool.connection_class(**pool.connection_kwargs)
-                    try:
-                        conn.send_packed_command(packed, check_health=False)
-                    except Exception as again:
-                        conn.disconnect()
-                        replies[i] = NodeReply(error=describe(again))
-                        continue
-                    item[2:] = [conn, False, resent]
-                except Exception as exc:
-                    conn.disconnect()
-                    late = final and isinstance(exc, redis.TimeoutError)
-                    replies[i] = NodeReply(error=why if late else describe(exc))
-                    continue
-                else:
-                    replies[i] = NodeReply(value)
-                    _give(idle, conn)
-                    if winning is not None and winning(value):
-                        wins += 1
-                    continue
-                fd = item[2]._sock.fileno()
-                poller.register(fd, select.POLLIN)
-                waiting[fd] = item
+                if self._answer(call, final, left):
+                    wins += 1
+
+    def _answer(self, call: _Call, final: bool, left: float) -> bool:
+        """Read one node's reply; say whether it is a winning one.
+
+        A node that answers NOSCRIPT (restarted, or SCRIPT FLUSH) gets the source
+        once, and an idle connection the server closed is retried once on a new
+        one: either call waits again.
+        """
+        i, conn = call.index, call.conn
+        replies = self.replies
+        try:
+            value = (
+                conn.read_response(timeout=_MIN_WAIT)
+                if final
+                else _read(conn, max(left, _MIN_WAIT))
+            )
+        except NoScriptError:
+            if call.resent:
+                replies[i] = NodeReply(error="NoScriptError")
+                _give(call.idle, conn)
+                return False
+            try:
+                conn.send_command(*_command(self.step, by_sha=False))
+            except Exception as exc:
+                # The connection broke between the NOSCRIPT and the resend: this
+                # node failed, like any other.
+                conn.disconnect()
+                replies[i] = NodeReply(error=describe(exc))
+                return False
+            call.reused, call.resent = False, True
+        except redis.ConnectionError as exc:
+            conn.disconnect()
+            if not call.reused or time.monotonic() >= self.deadline:
+                replies[i] = NodeReply(error=describe(exc))
+                return False
+            # Closed by the server while idle: every script is idempotent for one
+            # token, so a command that did run is safe to run again; a timeout is
+            # not retried.
+            if not self._again(call, stalled=False):
+                return False
+        except Exception as exc:
+            conn.disconnect()
+            late = final and isinstance(exc, redis.TimeoutError)
+            replies[i] = NodeReply(error=self.why if late else describe(exc))
+            return False
+        else:
+            replies[i] = NodeReply(value)
+            _give(call.idle, conn)
+            winning = self.step.wins
+            return winning is not None and bool(winning(value))
+        self._wait(call)
+        return False
+
+    def give_up(self, finished: bool) -> None:
+        """Fail the nodes still silent; keep their connections aside owing a reply.
+
+        An interrupted fan-out (``finished`` False) drops them instead: never reused.
+        """
+        if not self.waiting:
+            return
+        why = self.why
+        # A last look long after the deadline says nothing about the nodes still
+        # silent: the thread itself was late.
+        lag = self.looked - self.deadline
+        if finished and why != UNAWAITED and lag > LATE_SLACK * self.timeout:
+            why = f"{LATE}: looked {lag * 1000:.0f} ms after its deadline"
+        until = time.monotonic() + self.timeout
+        for call in self.waiting.values():
+            self.replies.setdefault(call.index, NodeReply(error=why))
+            if finished:
+                _owe(call.idle, call.conn, until)  # one reply still due on it
+            else:
+                call.conn.disconnect()
+
+
+def fanout(
+    pools: Sequence[redis.ConnectionPool], step: Fanout, timeout: float
+) -> list[NodeReply]:
+    """Run ``step`` on its nodes at once; return one reply per targeted node."""
+    targets = range(len(pools)) if step.nodes is None else step.nodes
+    round_ = _Round(pools, step, timeout)
+    round_.send(targets)
+    finished = False
+    try:
+        round_.read()
         finished = True
     finally:
-        if waiting:
-            # A last look long after the deadline says nothing about the nodes
-            # still silent: the thread itself was late.
-            lag = looked - deadline
-            if finished and why != UNAWAITED and lag > LATE_SLACK * timeout:
-                why = f"{LATE}: looked {lag * 1000:.0f} ms after its deadline"
-            until = time.monotonic() + timeout
-            for i, idle, conn, _, _ in waiting.values():
-                replies.setdefault(i, NodeReply(error=why))
-                if finished:
-                    _owe(idle, conn, until)  # one reply still due on it
-                else:
-                    conn.disconnect()  # interrupted: dropped, never reused
+        round_.give_up(finished)
+    replies = round_.replies
     return [replies[i] for i in targets]
 
 
