@@ -101,31 +101,6 @@ def test_os_fork_inside_a_hold_gives_the_child_no_hold_and_no_release(
     assert _on_nodes(nodes, "bare-fork") == 0
 
 
-def test_a_forked_child_runs_none_of_its_parents_watchdogs(
-    redlock_settings: dict[str, Any], nodes: NodeSet
-) -> None:
-    """A child forked while its parent auto-extends a lock never extends it: when
-    the parent releases, the lock is free on every node at once."""
-    read, write = os.pipe()
-    with Redlock("fork-watchdog", ttl=0.6, auto_extend=True) as lock:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                # Long enough for a watchdog (if any had survived) to extend twice.
-                time.sleep(1.0)
-                os.write(write, b"k")
-            finally:
-                os._exit(0)
-        time.sleep(0.2)
-        assert lock.owned()
-    os.close(write)
-    assert _on_nodes(nodes, "fork-watchdog") == 0
-    assert os.read(read, 1) == b"k"
-    os.close(read)
-    os.waitpid(pid, 0)
-    assert _on_nodes(nodes, "fork-watchdog") == 0
-
-
 # An expired hold does not poison its thread or task.
 
 
