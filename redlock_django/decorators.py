@@ -116,7 +116,8 @@ from .exceptions import (
     LockNotOwnedError,
     QuorumUnavailableError,
 )
-from .lock import MAX_RESOURCE_LENGTH, Redlock
+from .keys import MAX_RESOURCE_LENGTH
+from .lock import Redlock
 
 __all__ = [
     "MAX_VALUE_LENGTH",

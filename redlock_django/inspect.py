@@ -44,7 +44,7 @@ from redis.exceptions import ResponseError
 
 from . import nodes as node_pools
 from .conf import NodeSpec, RedlockSettings, get_settings
-from .lock import check_resource
+from .keys import check_resource, lock_head, lock_key, lock_pattern
 from .protocol import quorum
 from .scripts import Script
 
@@ -84,7 +84,6 @@ DIGEST_LENGTH = 12
 #: Resources per pipeline in ``describe()``: bounds one round trip's size.
 _DESCRIBE_BATCH = 1000
 
-_GLOB = re.compile(r"([*?\[\]\\])")
 _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_LENGTH},40}}")
 
 
@@ -251,12 +250,6 @@ def _scan(client: redis.Redis, pattern: str) -> Iterable[bytes]:
             raise _DeadlineError
 
 
-def _lock_pattern(conf: RedlockSettings, search: str = "") -> str:
-    # KEY_PREFIX is validated free of glob characters; the search term is escaped.
-    escaped = _GLOB.sub(r"\\\1", search)
-    return f"{conf.key_prefix}:lock:*" + (f"{escaped}*" if escaped else "")
-
-
 # --- node health ----------------------------------------------------------------
 
 
@@ -268,7 +261,7 @@ def node_status() -> list[NodeStatus]:
     them) is reachable with ``version`` or ``lock_keys`` None.
     """
     conf = get_settings()
-    pattern = _lock_pattern(conf)
+    pattern = lock_pattern(conf.key_prefix)
 
     def probe(client: redis.Redis) -> tuple[float, str | None, int | None]:
         # The first PING may open the connection; time the second, a pure round trip.
@@ -337,8 +330,8 @@ def lock_resources(
     ``failed`` when a dict is given); at most ``SCAN_CAP`` keys are read per node.
     """
     conf = get_settings()
-    pattern = _lock_pattern(conf, search)
-    head = f"{conf.key_prefix}:lock:".encode()
+    pattern = lock_pattern(conf.key_prefix, search)
+    head = lock_head(conf.key_prefix).encode()
 
     def scan(client: redis.Redis) -> list[bytes]:
         return list(_scan(client, pattern))
@@ -393,7 +386,7 @@ def describe(
     """
     conf = get_settings()
     resources = list(dict.fromkeys(resources))
-    keys = [f"{conf.key_prefix}:lock:{resource}" for resource in resources]
+    keys = [lock_key(resource, conf.key_prefix) for resource in resources]
 
     def fetch(client: redis.Redis) -> list[Any]:
         replies: list[Any] = []
@@ -561,7 +554,7 @@ def force_release(resource: str, token_digest: str) -> ForceRelease:
             f"not {token_digest!r}"
         )
     conf = get_settings()
-    key = f"{conf.key_prefix}:lock:{resource}"
+    key = lock_key(resource, conf.key_prefix)
     script = FORCE_RELEASE_SCRIPT
 
     def run(client: redis.Redis) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ from .exceptions import (
     LockNotOwnedError,
     QuorumUnavailableError,
 )
+from .keys import MAX_NAME_LENGTH, check_resource, fence_key, lock_key
 from .protocol import (
     Extension,
     Grant,
@@ -60,53 +60,18 @@ from .protocol import (
 )
 from .watchdog import Watchdog
 
-__all__ = ["Redlock", "check_resource", "key_name"]
+__all__ = ["Redlock"]
 
 logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-#: Longest resource name kept whole in keys; longer names are hashed (key_name).
-MAX_RESOURCE_LENGTH = 200
-#: Longest name a lock accepts at all, in characters.
-MAX_NAME_LENGTH = 1000
 #: Bytes of randomness in a token (the Redlock spec assumes 20).
 TOKEN_BYTES = 20
 
 _clock = time.monotonic
 _jitter = random.random
-
-
-def check_resource(resource: object, limit: int = MAX_RESOURCE_LENGTH) -> str:
-    """Return ``resource`` if it is a valid lock name, else raise ``ValueError``.
-
-    A name is a non-empty string of at most ``limit`` printable characters:
-    control, format (bidi overrides, zero-width) and line-separator characters
-    would break or disguise logs, pages and keys.
-    """
-    if not isinstance(resource, str) or not resource:
-        raise ValueError(f"resource must be a non-empty string, not {resource!r}")
-    if len(resource) > limit:
-        raise ValueError(
-            f"resource is {len(resource)} characters long; the limit is {limit}"
-        )
-    if not resource.isprintable():
-        raise ValueError(f"resource {resource!r} contains control characters")
-    return resource
-
-
-def key_name(resource: str) -> str:
-    """The resource as it appears in keys, at most ``MAX_RESOURCE_LENGTH`` long.
-
-    A longer name (say one built from user input) keeps its first 160 characters,
-    for people reading the keys, and a hash of the whole name, so names that
-    differ only in their tail still get different locks.
-    """
-    if len(resource) <= MAX_RESOURCE_LENGTH:
-        return resource
-    digest = hashlib.sha256(resource.encode()).hexdigest()[:32]
-    return f"{resource[:160]}~{digest}"
 
 
 @dataclass(frozen=True)
@@ -389,15 +354,13 @@ class Redlock:
         prefix = merged.key_prefix
         spec = LockSpec(
             resource=self.resource,
-            key=f"{prefix}:lock:{key_name(self.resource)}",
+            key=lock_key(self.resource, prefix),
             node_names=tuple(n.display for n in merged.nodes),
             ttl=ttl,
             drift_factor=drift_factor,
             retry_delay=merged.retry_delay,
             retry_jitter=merged.retry_jitter,
-            fence_key=(
-                f"{prefix}:fence:{key_name(self.resource)}" if self.fencing else None
-            ),
+            fence_key=fence_key(self.resource, prefix) if self.fencing else None,
         )
         config = _Config(
             spec=spec,

@@ -791,14 +791,14 @@ def test_bad_resource_names_are_refused_before_any_key_is_built(
 
 def test_longest_allowed_resource_name_locks() -> None:
     """200 characters is the cap itself: accepted (the boundary of the test above)."""
-    from redlock_django.lock import check_resource
+    from redlock_django.keys import check_resource
 
     assert check_resource("é" * 200) == "é" * 200
 
 
 @pytest.mark.parametrize("resource", ["a\x85b", "a\u2028b", "a\u202eb", "a\u200bb"])
 def test_unicode_control_and_format_characters_are_refused(resource: str) -> None:
-    from redlock_django.lock import check_resource
+    from redlock_django.keys import check_resource
 
     with pytest.raises(ValueError):
         check_resource(resource)

@@ -21,7 +21,7 @@ from django.core.management.base import (
 
 from redlock_django import inspect
 from redlock_django.conf import get_settings
-from redlock_django.lock import check_resource
+from redlock_django.keys import check_resource
 from redlock_django.protocol import quorum
 
 logger = logging.getLogger(__name__)
