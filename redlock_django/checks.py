@@ -135,7 +135,7 @@ def check_settings(
     return messages
 
 
-def _node(spec: conf.NodeSpec) -> str:
+def _node(spec: nodes.NodeSpec) -> str:
     return f"REDLOCK['NODES'][{spec.index}] {spec.display}"
 
 
@@ -153,7 +153,7 @@ def check_nodes(
     except ImproperlyConfigured:
         return []
     messages: list[CheckMessage] = []
-    seen: dict[tuple[str, object], conf.NodeSpec] = {}
+    seen: dict[tuple[str, object], nodes.NodeSpec] = {}
     pools = nodes.sync_pools(config.nodes, config.node_timeout)
     for spec, pool in zip(config.nodes, pools, strict=True):
         client = redis.Redis(connection_pool=pool)
