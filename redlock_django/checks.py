@@ -63,7 +63,7 @@ from django.apps import AppConfig
 from django.core.checks import CheckMessage, Error, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 
-from . import conf, nodes
+from . import address, conf, nodes
 
 __all__ = [
     "E001",
@@ -135,7 +135,7 @@ def check_settings(
     return messages
 
 
-def _node(spec: nodes.NodeSpec) -> str:
+def _node(spec: address.NodeSpec) -> str:
     return f"REDLOCK['NODES'][{spec.index}] {spec.display}"
 
 
@@ -153,7 +153,7 @@ def check_nodes(
     except ImproperlyConfigured:
         return []
     messages: list[CheckMessage] = []
-    seen: dict[tuple[str, object], nodes.NodeSpec] = {}
+    seen: dict[tuple[str, object], address.NodeSpec] = {}
     pools = nodes.sync_pools(config.nodes, config.node_timeout)
     for spec, pool in zip(config.nodes, pools, strict=True):
         client = redis.Redis(connection_pool=pool)

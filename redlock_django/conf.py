@@ -32,7 +32,7 @@ from django.core.signals import setting_changed
 from django.views.debug import SafeExceptionReporterFilter
 
 from . import protocol
-from .nodes import (
+from .address import (
     REDIS_CACHE_BACKENDS,
     AliasError,
     NodeSpec,

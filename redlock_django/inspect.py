@@ -43,9 +43,9 @@ import redis
 from redis.exceptions import ResponseError
 
 from . import nodes as node_pools
+from .address import NodeSpec
 from .conf import RedlockSettings, get_settings
 from .keys import check_resource, lock_head, lock_key, lock_pattern
-from .nodes import NodeSpec
 from .protocol import quorum
 from .scripts import Script
 

@@ -30,6 +30,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 from asgiref.sync import iscoroutinefunction
 
 from . import aio, nodes, signals, sync, wake
+from .address import NodeSpec, parse_node
 from .conf import RedlockSettings, check_seconds, get_settings
 from .exceptions import (
     LockContentionError,
@@ -39,7 +40,6 @@ from .exceptions import (
     QuorumUnavailableError,
 )
 from .keys import MAX_NAME_LENGTH, check_resource, fence_key, lock_key
-from .nodes import NodeSpec, parse_node
 from .protocol import (
     Extension,
     Grant,

@@ -30,7 +30,8 @@ from typing import Any
 import redis
 from django.core.signals import setting_changed
 
-from .nodes import NodeSpec, describe, sync_pools
+from .address import NodeSpec
+from .nodes import describe, sync_pools
 from .protocol import LockSpec
 
 __all__ = [
