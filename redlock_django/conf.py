@@ -497,12 +497,17 @@ def check_seconds(
     allow_none: bool = False,
     allow_zero: bool = False,
     limit: float | None = MAX_TTL,
+    wait: bool = False,
 ) -> float | None:
     """Return ``value`` as seconds, or raise ``TypeError``/``ValueError`` naming it.
 
-    The one rule for durations given as arguments, as the settings apply it: a
-    finite real number (never a bool, NaN or infinity), above 0 (or 0 with
-    ``allow_zero``) and at most ``limit``; None only with ``allow_none``.
+    The one rule for durations given as arguments (the lock's and the decorator's),
+    as the settings apply it: a finite real number (never a bool, NaN or infinity),
+    above 0 (or 0 with ``allow_zero``) and at most ``limit``; None only with
+    ``allow_none``. A ``wait`` is how long to wait for a lock, taken as
+    ``threading.Lock.acquire`` takes its timeout: any real number but NaN (no
+    deadline would ever pass), where a negative one means no limit (None) and
+    infinity is returned as it is.
     """
     if value is None:
         if allow_none:
@@ -510,6 +515,10 @@ def check_seconds(
         raise ValueError(f"{name} must be a number of seconds, not None")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, not {value!r}")
+    if wait:
+        if math.isnan(value):
+            raise ValueError(f"{name} must be a number of seconds, not {value!r}")
+        return None if value < 0 else float(value)
     number = _number(value)
     low_ok = number is not None and (number >= 0 if allow_zero else number > 0)
     if number is None or not low_ok or (limit is not None and number > limit):
