@@ -14,16 +14,23 @@ class RedlockConfig(AppConfig):
     verbose_name = "Redlock"
 
     def ready(self) -> None:
-        """Register the checks; importing conf connects its settings receiver.
+        """Register the checks; the settings receivers need no registering.
 
-        ``conf`` connects its ``setting_changed`` receiver when imported (with a
-        ``dispatch_uid``), so cached settings and node clients are reset when a
-        test changes ``REDLOCK`` or ``CACHES``, even where this app is not installed.
+        ``conf`` and ``nodes`` each connect their ``setting_changed`` receiver when
+        imported (with a ``dispatch_uid``), so cached settings and node clients are
+        reset when a test changes ``REDLOCK`` or ``CACHES``, even where this app is
+        not installed.
         """
         from . import checks as redlock_checks
         from . import decorators, metrics
 
         checks.register(redlock_checks.check_settings, redlock_checks.TAG)
+        checks.register(
+            redlock_checks.check_nodes,
+            redlock_checks.TAG,
+            redlock_checks.NODES_TAG,
+            deploy=True,
+        )
         # Templates naming a URL kwarg that no route to the view supplies.
         checks.register(decorators.check_url_placeholders, checks.Tags.urls)
         # Recorded whenever prometheus_client is installed; a no-op otherwise.

@@ -29,6 +29,13 @@ Errors:
   promote it without the keys its master granted.
 - E013 (deploy) two nodes are one server (same ``run_id`` and database) reached
   by different addresses, which the static E005 cannot see (DNS names, proxies).
+- E101 a ``FencingTokenField`` with ``null=True``: NULL < token is never true, so
+  every fenced write of such a row would be refused.
+- E102 a ``FencingTokenField`` whose default is not an integer <= 0: tokens start
+  at 1, so writes would be refused until the token passed the default.
+
+E101 and E102 are model field checks: ``FencingTokenField.check()`` (orm.py) runs
+them, as Django's own field checks live on the field, with the messages built here.
 
 Warnings:
 
@@ -60,10 +67,10 @@ from typing import Any
 
 import redis
 from django.apps import AppConfig
-from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.checks import CheckMessage, Error, Warning
 from django.core.exceptions import ImproperlyConfigured
 
-from . import conf, nodes
+from . import address, conf, nodes
 
 __all__ = [
     "E001",
@@ -79,6 +86,8 @@ __all__ = [
     "E011",
     "E012",
     "E013",
+    "E101",
+    "E102",
     "NODES_TAG",
     "TAG",
     "W001",
@@ -90,6 +99,8 @@ __all__ = [
     "W007",
     "check_nodes",
     "check_settings",
+    "fencing_token_default",
+    "fencing_token_null",
 ]
 
 TAG = "redlock"
@@ -109,6 +120,8 @@ E010 = "redlock.E010"
 E011 = "redlock.E011"
 E012 = "redlock.E012"
 E013 = "redlock.E013"
+E101 = "redlock.E101"
+E102 = "redlock.E102"
 W001 = "redlock.W001"
 W002 = "redlock.W002"
 W003 = "redlock.W003"
@@ -118,6 +131,29 @@ W006 = "redlock.W006"
 W007 = "redlock.W007"
 
 _OBJ = "settings.REDLOCK"
+
+
+def fencing_token_null(field: object) -> Error:
+    """Return E101 for a ``FencingTokenField`` declared with ``null=True``."""
+    return Error(
+        "FencingTokenField cannot be null: a NULL token is never older than the "
+        "lock's, so every fenced write would be refused.",
+        hint="Remove null=True (the field defaults to 0).",
+        obj=field,
+        id=E101,
+    )
+
+
+def fencing_token_default(field: object, default: object) -> Error:
+    """Return E102 for a ``FencingTokenField`` whose ``default`` is not <= 0."""
+    return Error(
+        f"FencingTokenField default must be an integer <= 0, not {default!r}: "
+        "tokens start at 1, so fenced writes would be refused until the lock's "
+        "token passed the default.",
+        hint="Remove the default (it is 0).",
+        obj=field,
+        id=E102,
+    )
 
 
 def check_settings(
@@ -135,11 +171,10 @@ def check_settings(
     return messages
 
 
-def _node(spec: conf.NodeSpec) -> str:
+def _node(spec: address.NodeSpec) -> str:
     return f"REDLOCK['NODES'][{spec.index}] {spec.display}"
 
 
-@register(TAG, NODES_TAG, deploy=True)
 def check_nodes(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
@@ -153,7 +188,7 @@ def check_nodes(
     except ImproperlyConfigured:
         return []
     messages: list[CheckMessage] = []
-    seen: dict[tuple[str, object], conf.NodeSpec] = {}
+    seen: dict[tuple[str, object], address.NodeSpec] = {}
     pools = nodes.sync_pools(config.nodes, config.node_timeout)
     for spec, pool in zip(config.nodes, pools, strict=True):
         client = redis.Redis(connection_pool=pool)

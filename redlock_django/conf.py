@@ -1,6 +1,6 @@
 """Read, validate and cache the ``REDLOCK`` setting.
 
-This module is the only reader of ``django.conf.settings`` in the package. It holds
+This module is the only reader of ``settings.REDLOCK`` in the package. It holds
 the ``DEFAULTS``, ``validate()`` (used by both the system checks and the runtime, so
 they never disagree) and ``get_settings()``, which returns a frozen
 ``RedlockSettings`` and is cached until ``REDLOCK`` or ``CACHES`` changes.
@@ -9,56 +9,49 @@ Settings are read when ``get_settings()`` is called, never at import time: a
 module imported before the settings are configured (or before a test overrides
 them) would otherwise keep stale values forever.
 
-A node is one independent Redis master, given in ``REDLOCK["NODES"]`` as a URL
-(``redis://``, ``rediss://``, ``unix://``) or as the alias of a Redis cache in
-``CACHES``. URLs can carry passwords, so only ``NodeSpec.display`` (no userinfo,
-no query string) ever goes into a message, a log line or a page.
+What a NODES entry names (``NodeSpec``, URL and cache-alias parsing) is decided in
+``address.py``, which also looks up the ``CACHES`` entry an alias names. The hints
+of the setting's checks (E001-E011, W001-W004) sit here beside the messages,
+because every ``Problem`` carries its hint and ``checks.py`` imports this module.
+One idea read top to bottom (defaults, reading, the validation rules, durations),
+hence a little over 500 lines.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import importlib
-import inspect
-import ipaddress
 import math
 import numbers
 import re
-import ssl
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
-from django.utils.module_loading import import_string
 from django.views.debug import SafeExceptionReporterFilter
-from redis.connection import (
-    AbstractConnection,
-    Connection,
-    SSLConnection,
-    UnixDomainSocketConnection,
-    parse_url,
-)
 
 from . import protocol
+from .address import (
+    REDIS_CACHE_BACKENDS,
+    AliasError,
+    NodeSpec,
+    parse_node,
+    tls_unverified,
+)
 
 __all__ = [
     "DEFAULTS",
     "ERROR",
     "WARNING",
-    "NodeSpec",
     "Problem",
     "RedlockSettings",
     "SafeSettingsReporterFilter",
     "check_seconds",
-    "connection_params",
     "get_settings",
-    "parse_node",
     "raw_settings",
     "reset",
     "validate",
@@ -86,33 +79,9 @@ MAX_TTL = 86400.0
 MAX_KEY_PREFIX_LENGTH = 64
 # Above this share of TTL, one slow node eats a visible part of the validity window.
 NODE_TIMEOUT_SHARE = 0.05
-REDIS_CACHE_BACKENDS = (
-    "django_redis.cache.RedisCache",
-    "django.core.cache.backends.redis.RedisCache",
-)
-
-_DEFAULT_PORT = 6379
 # ``\\`` is the escape character of the SCAN MATCH pattern the inspector builds from
 # the prefix, so it is as unsafe there as the glob characters themselves.
 _GLOB_CHARACTERS = frozenset("*?[]\\")
-# Options a URL may carry that configure the pool rather than each connection.
-_POOL_OPTIONS = frozenset({"max_connections", "timeout"})
-# Keys a redis-py 8 pool adds to its own connection_kwargs: they belong to that pool
-# (its maintenance handler and config, the timeouts to restore after a maintenance
-# event), so a pool built from them would share state with the cache's, undo its
-# timeouts, or refuse RESP2 because the copied config enables notifications.
-_POOL_STATE = frozenset(
-    {
-        "himport_registry",
-        "maint_notifications_config",
-        "maint_notifications_pool_handler",
-        "oss_cluster_maint_notifications_handler",
-        "orig_host_address",
-        "orig_socket_timeout",
-        "orig_socket_connect_timeout",
-    }
-)
-_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,15}")
 # The userinfo of a URL, and query parameters whose name says "pass".
 _URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]*@")
 _QUERY_PASSWORD = re.compile(r"(?i)([?&][^=&#\s]*pass[^=&#\s]*=)[^&#\s]*")
@@ -168,28 +137,6 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class NodeSpec:
-    """Describe one node of ``REDLOCK["NODES"]`` without connecting to it.
-
-    ``entry`` is the raw setting (it may hold a password, so it is left out of
-    ``repr()``); ``alias`` is the cache alias or None for a URL; ``display`` is a
-    masked address safe for messages and pages; ``identity`` tells which server
-    and database the node is, for duplicate detection: ``("tcp", host, port, db)``
-    or ``("unix", path, db)``, with localhost, 127.0.0.1 and ::1 all written
-    ``127.0.0.1`` (redis-server listens on both loopback addresses by default).
-    """
-
-    index: int
-    entry: str = field(repr=False)
-    alias: str | None
-    display: str
-    identity: tuple[str | int, ...]
-
-    def __str__(self) -> str:
-        return self.display
-
-
-@dataclass(frozen=True)
 class RedlockSettings:
     """Hold the validated ``REDLOCK`` setting; durations are float seconds."""
 
@@ -204,40 +151,6 @@ class RedlockSettings:
     auto_extend: bool
     max_hold: float | None
     wake_ups: bool = True
-
-
-class _AliasError(ValueError):
-    """A NODES entry names a cache alias that is not a usable Redis cache."""
-
-
-class _URLError(ValueError):
-    """A URL is malformed; the message is the reason, without the URL."""
-
-
-@dataclass(frozen=True)
-class _Target:
-    scheme: str
-    host: str
-    port: int
-    path: str
-    db: int
-    options: dict[str, Any] = field(repr=False)
-
-    @property
-    def display(self) -> str:
-        if self.scheme == "unix":
-            return f"unix://{self.path}" + (f" (db {self.db})" if self.db else "")
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{host}:{self.port}/{self.db}"
-
-    @property
-    def identity(self) -> tuple[str | int, ...]:
-        if self.scheme == "unix":
-            return ("unix", self.path, self.db)
-        return ("tcp", _canonical_host(self.host), self.port, self.db)
-
-
-# --- error reports ----------------------------------------------------------------
 
 
 class SafeSettingsReporterFilter(SafeExceptionReporterFilter):
@@ -266,11 +179,6 @@ class SafeSettingsReporterFilter(SafeExceptionReporterFilter):
 def raw_settings() -> object:
     """Return ``settings.REDLOCK`` as it is, or ``{}`` when it is not set."""
     return getattr(settings, "REDLOCK", {})
-
-
-def _cache_config(alias: str) -> object:
-    caches = getattr(settings, "CACHES", {})
-    return caches.get(alias) if isinstance(caches, Mapping) else None
 
 
 @functools.cache
@@ -303,17 +211,8 @@ def get_settings() -> RedlockSettings:
 
 
 def reset() -> None:
-    """Forget the cached settings and close the node clients built from them."""
+    """Forget the cached settings (nodes.py closes its clients on its own)."""
     get_settings.cache_clear()
-    try:
-        nodes = importlib.import_module("redlock_django.nodes")
-    except ModuleNotFoundError as exc:
-        # Imported here because nodes.py imports this module. Tolerate only
-        # nodes.py itself missing; a module it fails to import is a real error.
-        if exc.name != "redlock_django.nodes":
-            raise
-        return
-    nodes.reset()
 
 
 def _on_setting_changed(*, setting: str, **kwargs: object) -> None:
@@ -321,266 +220,9 @@ def _on_setting_changed(*, setting: str, **kwargs: object) -> None:
         reset()
 
 
-# Connected here rather than in AppConfig.ready() so the cache is cleared even when
+# Connected here rather than in AppConfig.ready(), so the cache is cleared even when
 # conf.py is used by a project that does not list the app in INSTALLED_APPS.
 setting_changed.connect(_on_setting_changed, dispatch_uid="redlock_django.conf.reset")
-
-
-# --- nodes ------------------------------------------------------------------------
-
-
-def parse_node(entry: str, index: int) -> NodeSpec:
-    """Parse the NODES entry at position ``index`` into a ``NodeSpec``.
-
-    An entry containing ``://`` is a URL; any other string is a ``CACHES`` alias,
-    looked up in the settings now. Raise ``ValueError`` naming the index and the
-    reason when the entry is not a string, is empty, is a malformed URL, or names
-    an alias that is missing or not a Redis cache. Messages mask the userinfo.
-    """
-    where = f"REDLOCK['NODES'][{index}]"
-    if not isinstance(entry, str):
-        raise ValueError(
-            f"{where} must be a string (a Redis URL or a CACHES alias), "
-            f"not {type(entry).__name__}"
-        )
-    if not entry.strip():
-        raise ValueError(f"{where} is an empty string")
-    if "://" not in entry:
-        return _parse_alias(entry, index, where)
-    try:
-        target = _parse_url(entry)
-    except _URLError as exc:
-        raise ValueError(
-            f"{where} {_mask(entry)!r} is not a valid Redis URL: {exc}"
-        ) from None
-    return NodeSpec(index, entry, None, target.display, target.identity)
-
-
-def connection_params(
-    node: NodeSpec,
-) -> tuple[type[AbstractConnection], dict[str, Any]]:
-    """Return the redis-py connection class and its keyword arguments for ``node``.
-
-    For a URL they come from ``redis.connection.parse_url`` (pool-level options
-    such as ``max_connections`` are dropped); for a cache alias, from the pool of
-    that cache's write client, so the cache's OPTIONS (password, TLS, timeouts)
-    apply, without the bookkeeping keys the pool adds for itself. Nothing connects.
-    The dict is a fresh copy the caller may change.
-    """
-    if node.alias is None:
-        kwargs = _redis_parse_url(_normalise_scheme(node.entry))
-        connection_class = kwargs.pop("connection_class", Connection)
-        for option in _POOL_OPTIONS:
-            kwargs.pop(option, None)
-        return connection_class, kwargs
-    from django.core.cache import caches
-
-    cache = caches[node.alias]
-    # django-redis wraps its client in ``.client``; Django's own backend in ``._cache``.
-    client = getattr(cache, "client", None) or getattr(cache, "_cache", None)
-    if client is None or not hasattr(client, "get_client"):
-        raise ImproperlyConfigured(
-            f"redlock.E004: {node.display} is not a Redis cache with one write client"
-        )
-    pool = client.get_client(write=True).connection_pool
-    kwargs = {
-        name: value
-        for name, value in pool.connection_kwargs.items()
-        if name not in _POOL_STATE
-    }
-    return pool.connection_class, kwargs
-
-
-def _parse_url(url: str) -> _Target:
-    scheme = url.partition("://")[0]
-    if scheme.lower() not in ("redis", "rediss", "unix"):
-        shown = repr(scheme) if _SCHEME_RE.fullmatch(scheme) else "of the entry"
-        raise _URLError(f"the scheme {shown} is not redis://, rediss:// or unix://")
-    url = _normalise_scheme(url)
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        raise _URLError("the host has unbalanced [ ] brackets") from None
-    try:
-        port = parts.port
-    except ValueError:
-        port = 0
-    if port == 0:
-        raise _URLError("the port is not a number from 1 to 65535")
-    try:
-        options = _redis_parse_url(url)
-    except ValueError as exc:
-        # redis-py names the option but not its value: safe to repeat.
-        raise _URLError(str(exc)[0].lower() + str(exc)[1:].rstrip(".")) from None
-    options.pop("connection_class", None)
-    _check_options(parts.scheme, options)
-    db = options.get("db", 0)
-    if parts.scheme == "unix":
-        if not options.get("path"):
-            raise _URLError("no socket path (write unix:///path/to.sock)")
-        return _Target("unix", "", 0, options["path"], _check_db(db), options)
-    if not parts.hostname:
-        raise _URLError("no host")
-    path = unquote(parts.path)
-    if path not in ("", "/") and "db" not in parse_qs(parts.query):
-        if not re.fullmatch(r"/\d+/?", path):
-            raise _URLError(f"the path {path!r} is not a database number")
-        db = int(path.strip("/"))
-    host = unquote(parts.hostname)
-    return _Target(
-        parts.scheme, host, port or _DEFAULT_PORT, "", _check_db(db), options
-    )
-
-
-def _check_db(db: int) -> int:
-    if db < 0:
-        raise _URLError(f"the database number {db} is negative")
-    return db
-
-
-def _check_options(scheme: str, options: dict[str, Any]) -> None:
-    known = _connection_parameters(scheme) | _POOL_OPTIONS
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise _URLError(
-            "unknown option "
-            + ", ".join(repr(name) for name in unknown)
-            + f" for a {scheme}:// connection"
-        )
-    cert_reqs = options.get("ssl_cert_reqs")
-    if isinstance(cert_reqs, str) and cert_reqs not in ("none", "optional", "required"):
-        raise _URLError("ssl_cert_reqs must be none, optional or required")
-
-
-@functools.cache
-def _connection_parameters(scheme: str) -> frozenset[str]:
-    connection_class: type[AbstractConnection] = {
-        "redis": Connection,
-        "rediss": SSLConnection,
-        "unix": UnixDomainSocketConnection,
-    }[scheme]
-    # Connection.__init__ passes **kwargs up to AbstractConnection.__init__, so the
-    # accepted names are those of every __init__ in the MRO.
-    names: set[str] = set()
-    for klass in connection_class.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        names.update(
-            name
-            for name, parameter in inspect.signature(init).parameters.items()
-            if parameter.kind
-            in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
-        )
-    names.discard("self")
-    return frozenset(names)
-
-
-def _redis_parse_url(url: str) -> dict[str, Any]:
-    kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
-    return kwargs
-
-
-def _parse_alias(alias: str, index: int, where: str) -> NodeSpec:
-    named = f"{where} names the cache alias {_mask(alias)!r}"
-    config = _cache_config(alias)
-    if not isinstance(config, Mapping):
-        looks_like_url = any(char in alias for char in ":/@")
-        raise _AliasError(
-            f"{named}, which is not in CACHES"
-            + (" (a URL needs a scheme such as redis://)" if looks_like_url else "")
-        )
-    backend = config.get("BACKEND")
-    if not _is_redis_backend(backend):
-        raise _AliasError(f"{named}, whose BACKEND {backend!r} is not a Redis cache")
-    client_class = _mapping(config.get("OPTIONS")).get("CLIENT_CLASS", "")
-    if isinstance(client_class, str) and client_class.endswith("ShardClient"):
-        raise _AliasError(f"{named}, a sharded cache that spans several servers")
-    location = _primary_location(config.get("LOCATION"))
-    if location is None:
-        raise _AliasError(f"{named}, whose LOCATION is not a Redis URL")
-    try:
-        target = _parse_url(location)
-    except _URLError as exc:
-        raise _AliasError(
-            f"{named}, whose LOCATION {_mask(location)!r} is not a valid Redis URL: "
-            f"{exc}"
-        ) from None
-    return NodeSpec(
-        index, alias, alias, f"cache:{alias} ({target.display})", target.identity
-    )
-
-
-def _is_redis_backend(backend: object) -> bool:
-    if not isinstance(backend, str):
-        return False
-    if backend in REDIS_CACHE_BACKENDS:
-        return True
-    try:
-        backend_class = import_string(backend)
-        bases = tuple(import_string(path) for path in REDIS_CACHE_BACKENDS)
-    except ImportError:
-        return False
-    return isinstance(backend_class, type) and issubclass(backend_class, bases)
-
-
-def _primary_location(location: object) -> str | None:
-    # Both backends write to the first server of a list or a ;/,-separated string.
-    if isinstance(location, str):
-        location = re.split("[;,]", location)
-    if isinstance(location, list | tuple) and location:
-        first = location[0]
-        if isinstance(first, str) and "://" in first:
-            return first
-    return None
-
-
-def _mapping(value: object) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _normalise_scheme(url: str) -> str:
-    # parse_url() only accepts a lower-case scheme.
-    scheme, _, rest = url.partition("://")
-    return f"{scheme.lower()}://{rest}"
-
-
-def _mask(entry: str) -> str:
-    """Return ``entry`` with everything up to its last ``@`` and its query hidden."""
-    scheme, separator, rest = entry.rpartition("://")
-    if "@" in rest:
-        rest = "***@" + rest.rpartition("@")[2]
-    rest = rest.partition("?")[0].partition("#")[0]
-    return f"{scheme}{separator}{rest}"
-
-
-def _canonical_host(host: str) -> str:
-    host = host.lower().rstrip(".")
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return "127.0.0.1" if host == "localhost" else host
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        address = address.ipv4_mapped
-    return "127.0.0.1" if str(address) in ("127.0.0.1", "::1") else str(address)
-
-
-def _tls_unverified(node: NodeSpec) -> bool:
-    """Tell whether ``node`` uses TLS without verifying the server certificate."""
-    if node.alias is None:
-        url, extra = node.entry, {}
-    else:
-        config = _cache_config(node.alias)
-        assert isinstance(config, Mapping)
-        url = _primary_location(config.get("LOCATION")) or ""
-        options = _mapping(config.get("OPTIONS"))
-        # Django's backend passes OPTIONS to the pool; django-redis nests them.
-        extra = {**options, **_mapping(options.get("CONNECTION_POOL_KWARGS"))}
-    if not _normalise_scheme(url).startswith("rediss://"):
-        return False
-    cert_reqs = {**_parse_url(url).options, **extra}.get("ssl_cert_reqs", "required")
-    # redis-py reads None as ssl.CERT_NONE.
-    return cert_reqs is None or cert_reqs in ("none", ssl.CERT_NONE)
 
 
 # --- validation -------------------------------------------------------------------
@@ -716,7 +358,7 @@ def _validate_nodes(
             continue
         try:
             nodes.append(parse_node(entry, index))
-        except _AliasError as exc:
+        except AliasError as exc:
             error("redlock.E004", str(exc))
         except ValueError as exc:
             error("redlock.E003", str(exc))
@@ -751,7 +393,7 @@ def _validate_nodes(
             )
 
     for node in nodes:
-        if _tls_unverified(node):
+        if tls_unverified(node):
             warning(
                 "redlock.W004",
                 f"REDLOCK['NODES'][{node.index}] ({node.display}) uses TLS with "
@@ -858,12 +500,17 @@ def check_seconds(
     allow_none: bool = False,
     allow_zero: bool = False,
     limit: float | None = MAX_TTL,
+    wait: bool = False,
 ) -> float | None:
     """Return ``value`` as seconds, or raise ``TypeError``/``ValueError`` naming it.
 
-    The one rule for durations given as arguments, as the settings apply it: a
-    finite real number (never a bool, NaN or infinity), above 0 (or 0 with
-    ``allow_zero``) and at most ``limit``; None only with ``allow_none``.
+    The one rule for durations given as arguments (the lock's and the decorator's),
+    as the settings apply it: a finite real number (never a bool, NaN or infinity),
+    above 0 (or 0 with ``allow_zero``) and at most ``limit``; None only with
+    ``allow_none``. A ``wait`` is how long to wait for a lock, taken as
+    ``threading.Lock.acquire`` takes its timeout: any real number but NaN (no
+    deadline would ever pass), where a negative one means no limit (None) and
+    infinity is returned as it is.
     """
     if value is None:
         if allow_none:
@@ -871,6 +518,10 @@ def check_seconds(
         raise ValueError(f"{name} must be a number of seconds, not None")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, not {value!r}")
+    if wait:
+        if math.isnan(value):
+            raise ValueError(f"{name} must be a number of seconds, not {value!r}")
+        return None if value < 0 else float(value)
     number = _number(value)
     low_ok = number is not None and (number >= 0 if allow_zero else number > 0)
     if number is None or not low_ok or (limit is not None and number > limit):

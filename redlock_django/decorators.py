@@ -109,7 +109,7 @@ from django.utils.cache import patch_vary_headers
 from django.utils.html import escape
 from django.views import View
 
-from .conf import get_settings
+from .conf import check_seconds, get_settings
 from .exceptions import (
     LockContentionError,
     LockLostError,
@@ -659,12 +659,10 @@ class _Guard:
             raise ImproperlyConfigured(
                 "distributed_lock(blocking=False) takes no timeout"
             )
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float)
-        ):
-            raise ImproperlyConfigured(
-                f"timeout must be a number of seconds, not {timeout!r}"
-            )
+        try:
+            check_seconds("timeout", timeout, allow_none=True, wait=True)
+        except (TypeError, ValueError) as exc:
+            raise ImproperlyConfigured(str(exc)) from exc
         for name, hook in (
             ("on_locked", on_locked),
             ("on_unavailable", on_unavailable),

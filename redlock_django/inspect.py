@@ -43,7 +43,8 @@ import redis
 from redis.exceptions import ResponseError
 
 from . import nodes as node_pools
-from .conf import NodeSpec, RedlockSettings, get_settings
+from .address import NodeSpec
+from .conf import RedlockSettings, get_settings
 from .keys import check_resource, lock_head, lock_key, lock_pattern
 from .protocol import quorum
 from .scripts import Script

@@ -30,13 +30,8 @@ from typing import Any, ParamSpec, TypeVar, cast
 from asgiref.sync import iscoroutinefunction
 
 from . import aio, nodes, signals, sync, wake
-from .conf import (
-    NodeSpec,
-    RedlockSettings,
-    check_seconds,
-    get_settings,
-    parse_node,
-)
+from .address import NodeSpec, parse_node
+from .conf import RedlockSettings, check_seconds, get_settings
 from .exceptions import (
     LockContentionError,
     LockError,
@@ -384,11 +379,7 @@ class Redlock:
             return 0.0
         if timeout is None:
             return config.wait_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise TypeError(f"timeout must be a number of seconds, not {timeout!r}")
-        if timeout != timeout:  # NaN: no deadline would ever pass
-            raise ValueError(f"timeout must be a number of seconds, not {timeout!r}")
-        return None if timeout < 0 else float(timeout)
+        return check_seconds("timeout", timeout, wait=True)
 
     def _meta(self, config: _Config, holder: str) -> str:
         # The same JSON object as json.dumps of all six fields, with the fixed

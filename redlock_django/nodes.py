@@ -1,5 +1,8 @@
 """Per-node redis-py connection pools, built once and cached until settings change.
 
+The pools are built from ``address.connection_params()`` and closed by this
+module's own ``setting_changed`` receiver when ``REDLOCK`` or ``CACHES`` changes.
+
 Every pool gets the lock's own network rules, whatever the URL or cache it came from:
 socket and connect timeouts of NODE_TIMEOUT and no automatic retries (redis-py 8
 defaults to 5 s timeouts and 10 retries, so one hung node would cost a minute, and
@@ -35,11 +38,12 @@ import redis
 import redis.asyncio
 import redis.asyncio.connection
 import redis.connection
+from django.core.signals import setting_changed
 from redis._parsers import _RESP2Parser
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .conf import NodeSpec, connection_params
+from .address import NodeSpec, connection_params
 
 __all__ = ["async_clients", "describe", "reset", "sync_pools"]
 
@@ -187,3 +191,13 @@ def reset() -> None:
     for pools in old:
         for pool in pools:
             pool.disconnect()
+
+
+def _on_setting_changed(*, setting: str, **kwargs: object) -> None:
+    if setting in ("REDLOCK", "CACHES"):
+        reset()
+
+
+# Connected at import rather than in AppConfig.ready(), so the clients are closed
+# even in a project that does not list the app in INSTALLED_APPS.
+setting_changed.connect(_on_setting_changed, dispatch_uid="redlock_django.nodes.reset")

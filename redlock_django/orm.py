@@ -73,12 +73,11 @@ from django.core.exceptions import FieldError, ValidationError
 from django.db import models, router
 from django.db.models.expressions import Combinable
 
+from .checks import fencing_token_default, fencing_token_null
 from .exceptions import LockError
 from .lock import Redlock
 
 __all__ = [
-    "E101",
-    "E102",
     "MAX_PK_LENGTH",
     "FencedQuerySet",
     "FencingTokenField",
@@ -94,13 +93,6 @@ _M = TypeVar("_M", bound=models.Model)
 
 #: Longest primary key, once rendered, that ``model_resource`` accepts.
 MAX_PK_LENGTH = 100
-
-#: A FencingTokenField with null=True: NULL < token is never true, so every
-#: fenced write of such a row would be refused.
-E101 = "redlock.E101"
-#: A FencingTokenField whose default is not an integer <= 0: tokens start at 1,
-#: so writes would be refused until the token passed the default.
-E102 = "redlock.E102"
 
 
 class MissingFencingTokenError(ValueError):
@@ -175,27 +167,10 @@ class FencingTokenField(_BigIntegerField):
         """Flag settings that would make every fenced write of a row be refused."""
         errors = super().check(**kwargs)
         if self.null:
-            errors.append(
-                checks.Error(
-                    "FencingTokenField cannot be null: a NULL token is never older "
-                    "than the lock's, so every fenced write would be refused.",
-                    hint="Remove null=True (the field defaults to 0).",
-                    obj=self,
-                    id=E101,
-                )
-            )
+            errors.append(fencing_token_null(self))
         default = self.default
         if self.has_default() and not callable(default) and not _below_tokens(default):
-            errors.append(
-                checks.Error(
-                    f"FencingTokenField default must be an integer <= 0, not "
-                    f"{default!r}: tokens start at 1, so fenced writes would be "
-                    f"refused until the lock's token passed the default.",
-                    hint="Remove the default (it is 0).",
-                    obj=self,
-                    id=E102,
-                )
-            )
+            errors.append(fencing_token_default(self, default))
         return errors
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import redis
 from django.core.signals import setting_changed
 
-from .conf import NodeSpec
+from .address import NodeSpec
 from .nodes import describe, sync_pools
 from .protocol import LockSpec
 

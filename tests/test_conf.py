@@ -11,7 +11,8 @@ from django.test import override_settings
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
 
 from redlock_django import conf
-from redlock_django.conf import NodeSpec, connection_params, get_settings, parse_node
+from redlock_django.address import NodeSpec, connection_params, parse_node
+from redlock_django.conf import get_settings
 
 FIVE_NODES = [f"redis://10.0.0.{i}:6379/0" for i in range(1, 6)]
 SECRET = "s3cret-pw"

@@ -119,7 +119,7 @@ def test_async_driver_keeps_the_connection_of_a_node_slower_than_the_quorum(
 RESEND_CLIENT = """
 import json, sys
 from redlock_django import sync
-from redlock_django.conf import parse_node
+from redlock_django.address import parse_node
 from redlock_django.nodes import sync_pools
 from redlock_django.protocol import Fanout
 from redlock_django.scripts import PTTL_SCRIPT

@@ -32,9 +32,8 @@ from django.db.models import F
 from django.test.utils import isolate_apps
 
 from redlock_django import LockError, LockLostError, Redlock
+from redlock_django.checks import E101, E102
 from redlock_django.orm import (
-    E101,
-    E102,
     MAX_PK_LENGTH,
     FencingTokenField,
     MissingFencingTokenError,

@@ -21,6 +21,7 @@ import redis
 from redlock_django import QuorumUnavailableError, Redlock, inspect
 from redlock_django import conf as redlock_conf
 from redlock_django import nodes as node_pools
+from redlock_django.address import parse_node
 from tests._nodes import NodeSet, RedisNodeError
 from tests._tls import (
     Certificates,
@@ -320,7 +321,7 @@ def test_tls_settings_never_show_the_certificate_paths_or_query(
     tls_nodes: NodeSet,
 ) -> None:
     """Node names are scheme, host, port and db: the query string is left out."""
-    node = redlock_conf.parse_node(tls_nodes.urls[0] + "&password=hunter2", 0)
+    node = parse_node(tls_nodes.urls[0] + "&password=hunter2", 0)
     assert node.display == f"rediss://127.0.0.1:{tls_nodes.ports[0]}/0"
     assert "hunter2" not in repr(node) and "ssl_ca_certs" not in repr(node)
 
