@@ -88,6 +88,7 @@ __all__ = [
     "E013",
     "E101",
     "E102",
+    "HINTS",
     "NODES_TAG",
     "TAG",
     "W001",
@@ -130,6 +131,47 @@ W005 = "redlock.W005"
 W006 = "redlock.W006"
 W007 = "redlock.W007"
 
+#: How to fix each finding of ``conf.validate()``, by check id.
+HINTS = {
+    "redlock.E001": "REDLOCK must be a dict with these keys (all optional but NODES): "
+    + ", ".join(conf.DEFAULTS)
+    + ".",
+    "redlock.E002": "List one entry per independent Redis master: a URL such as "
+    "'redis://10.0.0.1:6379/0' or the alias of a Redis cache in CACHES, e.g. "
+    "REDLOCK = {'NODES': ['redis://10.0.0.1:6379/0', 'redis://10.0.0.2:6379/0', "
+    "'redis://10.0.0.3:6379/0']}.",
+    "redlock.E003": "Use redis://[[user]:password@]host[:port][/db], "
+    "rediss://... for TLS, or unix:///path/to.sock?db=N; percent-encode any "
+    "/ ? # @ : in the password.",
+    "redlock.E004": "Name a CACHES alias whose BACKEND is one of "
+    + ", ".join(address.REDIS_CACHE_BACKENDS)
+    + " with a single redis:// LOCATION, or write the node as a redis:// URL.",
+    "redlock.E005": "Give every node its own Redis server: one server listed twice "
+    "votes twice, so a majority of entries is not a majority of servers.",
+    "redlock.E006": "Set TTL to the lease length in seconds: a number above 0 and at "
+    f"most {conf.MAX_TTL:g} (one day), e.g. 10.0.",
+    "redlock.E007": "Set DRIFT_FACTOR to a number >= 0 and < 0.5; the default 0.01 "
+    "allows for 1% clock drift between this host and the nodes.",
+    "redlock.E008": "Set NODE_TIMEOUT to a small number of seconds, at most "
+    f"{conf.NODE_TIMEOUT_SHARE:.0%} of TTL, e.g. 0.05 with TTL = 10.0.",
+    "redlock.E009": "WAIT_TIMEOUT: seconds >= 0, or None to wait without limit. "
+    "RETRY_DELAY, RETRY_JITTER: seconds >= 0, not both 0. MAX_HOLD: seconds "
+    ">= TTL, or None for no cap on auto-extension.",
+    "redlock.E010": "Use a short name such as 'redlock' or 'myproject:lock': at most "
+    f"{conf.MAX_KEY_PREFIX_LENGTH} characters, no whitespace, no control characters "
+    "and none of * ? [ ] \\.",
+    "redlock.E011": "Set AUTO_EXTEND and WAKE_UPS to True or False.",
+    "redlock.W001": "The quorum is N//2 + 1, so 2 nodes tolerate no failure and "
+    "4 nodes tolerate no more failures than 3: use an odd count, 5 recommended.",
+    "redlock.W002": "Databases of one server fail together: give every node its "
+    "own Redis server.",
+    "redlock.W003": "Keep NODE_TIMEOUT well under TTL (at most "
+    f"{conf.NODE_TIMEOUT_SHARE:.0%}), or one slow node can eat the validity window.",
+    "redlock.W004": "Drop ssl_cert_reqs=none (the default is 'required') and set "
+    "ssl_ca_certs to the CA that signed the node's certificate.",
+}
+
+
 _OBJ = "settings.REDLOCK"
 
 
@@ -167,7 +209,9 @@ def check_settings(
     messages: list[CheckMessage] = []
     for problem in conf.validate(conf.raw_settings()):
         level = Error if problem.level == conf.ERROR else Warning
-        messages.append(level(problem.msg, hint=problem.hint, obj=_OBJ, id=problem.id))
+        messages.append(
+            level(problem.msg, hint=HINTS[problem.id], obj=_OBJ, id=problem.id)
+        )
     return messages
 
 

@@ -10,9 +10,9 @@ module imported before the settings are configured (or before a test overrides
 them) would otherwise keep stale values forever.
 
 What a NODES entry names (``NodeSpec``, URL and cache-alias parsing) is decided in
-``address.py``, which also looks up the ``CACHES`` entry an alias names. The hints
-of the setting's checks (E001-E011, W001-W004) sit here beside the messages,
-because every ``Problem`` carries its hint and ``checks.py`` imports this module.
+``address.py``, which also looks up the ``CACHES`` entry an alias names. The
+messages are written here, where the values they show are at hand; their ids and
+hints live in ``checks.py``.
 One idea read top to bottom (defaults, reading, the validation rules, durations),
 hence a little over 500 lines.
 """
@@ -36,7 +36,6 @@ from django.views.debug import SafeExceptionReporterFilter
 
 from . import protocol
 from .address import (
-    REDIS_CACHE_BACKENDS,
     AliasError,
     NodeSpec,
     parse_node,
@@ -86,45 +85,6 @@ _GLOB_CHARACTERS = frozenset("*?[]\\")
 _URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]*@")
 _QUERY_PASSWORD = re.compile(r"(?i)([?&][^=&#\s]*pass[^=&#\s]*=)[^&#\s]*")
 
-_HINTS = {
-    "redlock.E001": "REDLOCK must be a dict with these keys (all optional but NODES): "
-    + ", ".join(DEFAULTS)
-    + ".",
-    "redlock.E002": "List one entry per independent Redis master: a URL such as "
-    "'redis://10.0.0.1:6379/0' or the alias of a Redis cache in CACHES, e.g. "
-    "REDLOCK = {'NODES': ['redis://10.0.0.1:6379/0', 'redis://10.0.0.2:6379/0', "
-    "'redis://10.0.0.3:6379/0']}.",
-    "redlock.E003": "Use redis://[[user]:password@]host[:port][/db], "
-    "rediss://... for TLS, or unix:///path/to.sock?db=N; percent-encode any "
-    "/ ? # @ : in the password.",
-    "redlock.E004": "Name a CACHES alias whose BACKEND is one of "
-    + ", ".join(REDIS_CACHE_BACKENDS)
-    + " with a single redis:// LOCATION, or write the node as a redis:// URL.",
-    "redlock.E005": "Give every node its own Redis server: one server listed twice "
-    "votes twice, so a majority of entries is not a majority of servers.",
-    "redlock.E006": "Set TTL to the lease length in seconds: a number above 0 and at "
-    f"most {MAX_TTL:g} (one day), e.g. 10.0.",
-    "redlock.E007": "Set DRIFT_FACTOR to a number >= 0 and < 0.5; the default 0.01 "
-    "allows for 1% clock drift between this host and the nodes.",
-    "redlock.E008": "Set NODE_TIMEOUT to a small number of seconds, at most "
-    f"{NODE_TIMEOUT_SHARE:.0%} of TTL, e.g. 0.05 with TTL = 10.0.",
-    "redlock.E009": "WAIT_TIMEOUT: seconds >= 0, or None to wait without limit. "
-    "RETRY_DELAY, RETRY_JITTER: seconds >= 0, not both 0. MAX_HOLD: seconds "
-    ">= TTL, or None for no cap on auto-extension.",
-    "redlock.E010": "Use a short name such as 'redlock' or 'myproject:lock': at most "
-    f"{MAX_KEY_PREFIX_LENGTH} characters, no whitespace, no control characters and "
-    "none of * ? [ ] \\.",
-    "redlock.E011": "Set AUTO_EXTEND and WAKE_UPS to True or False.",
-    "redlock.W001": "The quorum is N//2 + 1, so 2 nodes tolerate no failure and "
-    "4 nodes tolerate no more failures than 3: use an odd count, 5 recommended.",
-    "redlock.W002": "Databases of one server fail together: give every node its "
-    "own Redis server.",
-    "redlock.W003": "Keep NODE_TIMEOUT well under TTL (at most "
-    f"{NODE_TIMEOUT_SHARE:.0%}), or one slow node can eat the validity window.",
-    "redlock.W004": "Drop ssl_cert_reqs=none (the default is 'required') and set "
-    "ssl_ca_certs to the CA that signed the node's certificate.",
-}
-
 
 @dataclass(frozen=True)
 class Problem:
@@ -133,7 +93,6 @@ class Problem:
     level: str
     id: str
     msg: str
-    hint: str
 
 
 @dataclass(frozen=True)
@@ -242,10 +201,10 @@ def _validate(
     problems: list[Problem] = []
 
     def error(check_id: str, msg: str) -> None:
-        problems.append(Problem(ERROR, check_id, msg, _HINTS[check_id]))
+        problems.append(Problem(ERROR, check_id, msg))
 
     def warning(check_id: str, msg: str) -> None:
-        problems.append(Problem(WARNING, check_id, msg, _HINTS[check_id]))
+        problems.append(Problem(WARNING, check_id, msg))
 
     if not isinstance(raw, Mapping):
         error(

@@ -10,7 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
 
-from redlock_django import conf
+from redlock_django import checks, conf
 from redlock_django.address import NodeSpec, connection_params, parse_node
 from redlock_django.conf import get_settings
 
@@ -265,12 +265,16 @@ def test_node_timeout_that_leaves_no_validity_is_an_error() -> None:
     assert "leaves no validity" in problems[0].msg
 
 
-def test_every_problem_has_a_hint() -> None:
-    """Each Problem says how to fix it."""
-    problems = conf.validate({"NODES": "redis://h/0", "TTL": 0, "X": 1})
+def test_every_problem_has_a_hint(settings) -> None:
+    """Each problem's check message says how to fix it."""
+    settings.REDLOCK = {"NODES": "redis://h/0", "TTL": 0, "X": 1}
+    messages = checks.check_settings()
 
-    assert ids(problems) == ["redlock.E001", "redlock.E002", "redlock.E006"]
-    assert all(problem.hint for problem in problems)
+    assert [m.id for m in messages] == ["redlock.E001", "redlock.E002", "redlock.E006"]
+    assert all(message.hint for message in messages)
+    assert set(checks.HINTS) == {
+        getattr(checks, name) for name in checks.__all__ if name[:2] in ("E0", "W0")
+    } - {checks.E012, checks.E013, checks.W005, checks.W006, checks.W007}
 
 
 # --- parse_node -------------------------------------------------------------------
