@@ -73,7 +73,7 @@ from django.core.exceptions import FieldError, ValidationError
 from django.db import models, router
 from django.db.models.expressions import Combinable
 
-from .exceptions import LockError
+from .exceptions import MissingFencingTokenError, StaleFencingTokenError
 from .lock import Redlock
 
 __all__ = [
@@ -82,8 +82,6 @@ __all__ = [
     "MAX_PK_LENGTH",
     "FencedQuerySet",
     "FencingTokenField",
-    "MissingFencingTokenError",
-    "StaleFencingTokenError",
     "afenced_update",
     "fenced_update",
     "model_lock",
@@ -101,43 +99,6 @@ E101 = "redlock.E101"
 #: A FencingTokenField whose default is not an integer <= 0: tokens start at 1,
 #: so writes would be refused until the token passed the default.
 E102 = "redlock.E102"
-
-
-class MissingFencingTokenError(ValueError):
-    """A fenced write was given a lock that has no fencing token for this owner.
-
-    A ``ValueError`` (a bad argument, a bug to fix), deliberately not a
-    ``LockError``: code that turns lock failures into 423/503 responses must not
-    hide it.
-    """
-
-    def __init__(self, message: str, *, resource: str) -> None:
-        super().__init__(message)
-        self.resource = resource
-
-
-class StaleFencingTokenError(LockError):
-    """A fenced write was refused: the row holds the lock's token or a newer one,
-    or was written since the instance was read.
-
-    A lease ran out while held and another holder wrote the row (or this token
-    already wrote it once). ``token`` is the lock's, ``stored_token`` the row's,
-    ``read_token`` the one the instance was read with (None for a queryset).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        resource: str,
-        token: int,
-        stored_token: int,
-        read_token: int | None = None,
-    ) -> None:
-        super().__init__(message, resource=resource)
-        self.token = token
-        self.stored_token = stored_token
-        self.read_token = read_token
 
 
 if TYPE_CHECKING:

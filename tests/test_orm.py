@@ -32,13 +32,12 @@ from django.db.models import F
 from django.test.utils import isolate_apps
 
 from redlock_django import LockError, LockLostError, Redlock
+from redlock_django.exceptions import MissingFencingTokenError, StaleFencingTokenError
 from redlock_django.orm import (
     E101,
     E102,
     MAX_PK_LENGTH,
     FencingTokenField,
-    MissingFencingTokenError,
-    StaleFencingTokenError,
     afenced_update,
     fenced_update,
     model_lock,
