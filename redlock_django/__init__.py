@@ -9,14 +9,14 @@ from .exceptions import (
     LockError,
     LockLostError,
     LockNotOwnedError,
+    MissingFencingTokenError,
     QuorumUnavailableError,
+    StaleFencingTokenError,
 )
 from .lock import Redlock
 from .orm import (
     FencedQuerySet,
     FencingTokenField,
-    MissingFencingTokenError,
-    StaleFencingTokenError,
     afenced_update,
     fenced_update,
     model_lock,

@@ -1,16 +1,16 @@
-"""The held-locks admin page, fed by ``inspect.py`` (no ORM), and a force release.
+"""The held-locks admin page, fed by ``listing.py`` (no ORM), and a force release.
 
-``HeldLock`` is an unmanaged model with no table; its admin replaces the changelist
-with a page that reads the Redis nodes. Both views go through
+``models.HeldLock`` is an unmanaged model with no table; its admin replaces the
+changelist with a page that reads the Redis nodes. Both views go through
 ``admin_site.admin_view`` (staff login, ``csrf_protect``, ``never_cache``):
 
 - ``changelist_view`` (GET) needs ``redlock_django.view_heldlock``. It lists the
-  locks of one page only: ``inspect.lock_resources()`` SCANs key names on every
-  node, the names are paginated, and ``inspect.describe()`` fetches the page's
+  locks of one page only: ``listing.lock_resources()`` SCANs key names on every
+  node, the names are paginated, and ``listing.describe()`` fetches the page's
   details, so 10,000 held locks load as fast as 100.
 - ``force_release_view`` (POST only) also needs
   ``redlock_django.force_release_lock``. The first POST shows a confirmation page;
-  the second (``confirm=yes``) calls ``inspect.force_release()``, which deletes a
+  the second (``confirm=yes``) calls ``listing.force_release()``, which deletes a
   key only where it still holds the token whose digest the page showed, so a lock
   that changed hands meanwhile is left alone. A release is recorded as an admin
   ``LogEntry`` and a WARNING log line naming the user.
@@ -42,10 +42,10 @@ from django.http import (
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 
-from . import inspect
+from . import listing
 from .conf import get_settings
 from .models import HeldLock
-from .protocol import quorum
+from .protocol import has_quorum, quorum
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[HeldLock]
@@ -75,7 +75,7 @@ class _Column:
     name: str
     label: str
     # None: the column does not sort; otherwise the key used on the page's locks.
-    key: Callable[[inspect.HeldLock], Any] | None = None
+    key: Callable[[listing.ListedLock], Any] | None = None
 
 
 _EPOCH = datetime.min.replace(tzinfo=UTC)
@@ -154,15 +154,15 @@ class HeldLockAdmin(_ModelAdmin):
 
         settings = get_settings()
         node_count = len(settings.nodes)
-        resources = inspect.lock_resources(
+        resources = listing.lock_resources(
             search, descending=descending and column.name == "resource"
         )
         paginator = Paginator(resources, self.list_per_page)
         page = paginator.get_page(request.GET.get(PAGE_VAR))
-        locks = inspect.describe(list(page.object_list))
+        locks = listing.describe(list(page.object_list))
         if column.name != "resource" and column.key is not None:
             locks.sort(key=column.key, reverse=descending)
-        statuses = inspect.node_status()
+        statuses = listing.node_status()
         reachable = sum(status.reachable for status in statuses)
 
         context = {
@@ -190,7 +190,7 @@ class HeldLockAdmin(_ModelAdmin):
             "node_count": node_count,
             "quorum": quorum(node_count),
             "reachable": reachable,
-            "nodes_below_quorum": reachable < quorum(node_count),
+            "nodes_below_quorum": not has_quorum(reachable, node_count),
             "key_prefix": settings.key_prefix,
             "can_release": self.has_force_release_permission(request),
             "list_query": request.GET.urlencode(),
@@ -222,7 +222,7 @@ class HeldLockAdmin(_ModelAdmin):
             return self._confirmation(request, resource, digest, back)
 
         try:
-            outcome = inspect.force_release(resource, digest)
+            outcome = listing.force_release(resource, digest)
         except ValueError as exc:
             self.message_user(request, f"Nothing released: {exc}", messages.ERROR)
             return HttpResponseRedirect(back)
@@ -248,7 +248,7 @@ class HeldLockAdmin(_ModelAdmin):
         self, request: HttpRequest, resource: str, digest: str, back: str
     ) -> HttpResponse:
         try:
-            found = inspect.describe([resource])
+            found = listing.describe([resource])
         except ValueError as exc:
             self.message_user(request, f"Nothing released: {exc}", messages.ERROR)
             return HttpResponseRedirect(back)
@@ -279,7 +279,7 @@ class HeldLockAdmin(_ModelAdmin):
         request: HttpRequest,
         resource: str,
         digest: str,
-        outcome: inspect.ForceRelease,
+        outcome: listing.ForceRelease,
     ) -> None:
         node_count = len(get_settings().nodes)
         released = ", ".join(f"node[{index}]" for index in outcome.released)

@@ -9,11 +9,13 @@ One base class, and one subclass for each situation a caller handles differently
     ├── LockNotOwnedError       release/extend of a lock this owner does not hold
     ├── LockLostError           the lease ran out (or an extension failed) while held:
     │                           the protected work may have overlapped another holder
-    └── StaleFencingTokenError  (orm.py) a fenced write was refused: the row holds
-                                this lock's fencing token or a newer one
+    └── StaleFencingTokenError  a fenced write (orm.py) was refused: the row holds
+                                this lock's fencing token or a newer one, or was
+                                written since the instance was read
 
-    MissingFencingTokenError (a ValueError, orm.py): fencing asked of a lock that
-    has no token (made without ``fencing=True``, or not held by this owner)
+    MissingFencingTokenError    a ValueError, not a LockError: a fenced write (orm.py)
+                                was given a lock that has no token (made without
+                                ``fencing=True``, or not held by this owner)
 
 Raw ``redis.exceptions`` never escape the public API: per-node failures are reported
 as text in ``.failed`` (node display name -> reason), never with credentials.
@@ -28,7 +30,9 @@ __all__ = [
     "LockError",
     "LockLostError",
     "LockNotOwnedError",
+    "MissingFencingTokenError",
     "QuorumUnavailableError",
+    "StaleFencingTokenError",
 ]
 
 
@@ -71,3 +75,40 @@ class LockNotOwnedError(LockError):
 
 class LockLostError(LockError):
     """The lease ran out, or could not be extended, while the lock was held."""
+
+
+class MissingFencingTokenError(ValueError):
+    """A fenced write was given a lock that has no fencing token for this owner.
+
+    A ``ValueError`` (a bad argument, a bug to fix), deliberately not a
+    ``LockError``: code that turns lock failures into 423/503 responses must not
+    hide it.
+    """
+
+    def __init__(self, message: str, *, resource: str) -> None:
+        super().__init__(message)
+        self.resource = resource
+
+
+class StaleFencingTokenError(LockError):
+    """A fenced write was refused: the row holds the lock's token or a newer one,
+    or was written since the instance was read.
+
+    A lease ran out while held and another holder wrote the row (or this token
+    already wrote it once). ``token`` is the lock's, ``stored_token`` the row's,
+    ``read_token`` the one the instance was read with (None for a queryset).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        resource: str,
+        token: int,
+        stored_token: int,
+        read_token: int | None = None,
+    ) -> None:
+        super().__init__(message, resource=resource)
+        self.token = token
+        self.stored_token = stored_token
+        self.read_token = read_token

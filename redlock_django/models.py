@@ -1,7 +1,7 @@
 """``HeldLock``: an unmanaged model holding the held-locks page's permissions.
 
 It has no table: the admin page reads the locks from the Redis nodes through
-``inspect.py``. The model exists so that Django creates the permissions the page
+``listing.py``. The model exists so that Django creates the permissions the page
 needs, ``view_heldlock`` (see the page) and ``force_release_lock`` (release a lock
 held by someone else), and so that force releases can be recorded as admin
 ``LogEntry`` rows with a content type.

@@ -74,15 +74,13 @@ from django.db import models, router
 from django.db.models.expressions import Combinable
 
 from .checks import fencing_token_default, fencing_token_null
-from .exceptions import LockError
+from .exceptions import MissingFencingTokenError, StaleFencingTokenError
 from .lock import Redlock
 
 __all__ = [
     "MAX_PK_LENGTH",
     "FencedQuerySet",
     "FencingTokenField",
-    "MissingFencingTokenError",
-    "StaleFencingTokenError",
     "afenced_update",
     "fenced_update",
     "model_lock",
@@ -93,43 +91,6 @@ _M = TypeVar("_M", bound=models.Model)
 
 #: Longest primary key, once rendered, that ``model_resource`` accepts.
 MAX_PK_LENGTH = 100
-
-
-class MissingFencingTokenError(ValueError):
-    """A fenced write was given a lock that has no fencing token for this owner.
-
-    A ``ValueError`` (a bad argument, a bug to fix), deliberately not a
-    ``LockError``: code that turns lock failures into 423/503 responses must not
-    hide it.
-    """
-
-    def __init__(self, message: str, *, resource: str) -> None:
-        super().__init__(message)
-        self.resource = resource
-
-
-class StaleFencingTokenError(LockError):
-    """A fenced write was refused: the row holds the lock's token or a newer one,
-    or was written since the instance was read.
-
-    A lease ran out while held and another holder wrote the row (or this token
-    already wrote it once). ``token`` is the lock's, ``stored_token`` the row's,
-    ``read_token`` the one the instance was read with (None for a queryset).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        resource: str,
-        token: int,
-        stored_token: int,
-        read_token: int | None = None,
-    ) -> None:
-        super().__init__(message, resource=resource)
-        self.token = token
-        self.stored_token = stored_token
-        self.read_token = read_token
 
 
 if TYPE_CHECKING:

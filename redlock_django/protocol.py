@@ -222,6 +222,24 @@ def quorum(node_count: int) -> int:
     return node_count // 2 + 1
 
 
+def has_quorum(count: int, node_count: int) -> bool:
+    """Return whether ``count`` of ``node_count`` nodes are at least a quorum.
+
+    ``count`` is whatever was counted: nodes that answered (a lock can be taken), or
+    nodes holding a lock's token (the lock is held, not a leftover).
+    """
+    return count >= quorum(node_count)
+
+
+def unanswered_may_hold(unanswered: int, node_count: int) -> bool:
+    """Return whether a lock may still be held on nodes that did not answer.
+
+    It may when the ``unanswered`` of ``node_count`` nodes are a quorum on their own:
+    whoever read or released the others cannot say that the lock is free or gone.
+    """
+    return has_quorum(unanswered, node_count)
+
+
 def drift(ttl: float, drift_factor: float) -> float:
     """Return the clock-drift allowance for a lease of ``ttl`` seconds."""
     return ttl * drift_factor + EXPIRE_PRECISION

@@ -5,8 +5,10 @@ A lock is one hash per node, so its holder metadata lives and dies with it:
 and ``fence`` (the fencing token, when one was asked for). Every script declares all
 the keys it touches in KEYS, so ACL key patterns apply to them.
 
-Every script reads the owner the same way (``_READ_OWNER``): a key of another
-type counts as held by someone else, an ACL error is returned as the error it is.
+Every script the lock runs reads the owner the same way (``_READ_OWNER``): a key of
+another type counts as held by someone else, an ACL error is returned as the error it
+is. The operator's forced release (``FORCE_RELEASE_SCRIPT``) compares a digest of the
+token instead, and leaves anything unexpected alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ __all__ = [
     "ACQUIRE_SCRIPT",
     "EXTEND_SCRIPT",
     "FENCE_SCRIPT",
+    "FORCE_RELEASE_SCRIPT",
     "PTTL_SCRIPT",
     "RELEASE_SCRIPT",
     "Script",
@@ -169,5 +172,27 @@ PTTL_SCRIPT = Script(
     "pttl",
     """
 return redis.call('pttl', KEYS[1])
+""",
+)
+
+# KEYS[1] lock key
+# ARGV[1] a prefix of the SHA1 of the token to evict (lowercase hex)
+# returns 1 when the key held a token whose SHA1 starts with ARGV[1] and it was
+# deleted, else 0: a lock that changed hands since the operator saw it, a key that
+# is gone, or a value of another type is left alone. The fencing counter is not
+# touched: it already covers the evicted holder's token on a quorum, so the next
+# holder gets a greater one. Run by the listing's forced release (listing.py), not
+# by the lock.
+FORCE_RELEASE_SCRIPT = Script(
+    "force_release",
+    """
+local token = redis.pcall('hget', KEYS[1], 'token')
+if type(token) ~= 'string' then
+  return 0
+end
+if string.sub(redis.sha1hex(token), 1, string.len(ARGV[1])) ~= ARGV[1] then
+  return 0
+end
+return redis.call('del', KEYS[1])
 """,
 )

@@ -33,11 +33,10 @@ from django.test.utils import isolate_apps
 
 from redlock_django import LockError, LockLostError, Redlock
 from redlock_django.checks import E101, E102
+from redlock_django.exceptions import MissingFencingTokenError, StaleFencingTokenError
 from redlock_django.orm import (
     MAX_PK_LENGTH,
     FencingTokenField,
-    MissingFencingTokenError,
-    StaleFencingTokenError,
     afenced_update,
     fenced_update,
     model_lock,

@@ -22,9 +22,11 @@ from redlock_django.protocol import (
     acquire_flow,
     drift,
     extend_flow,
+    has_quorum,
     locked_flow,
     quorum,
     release_flow,
+    unanswered_may_hold,
     validity,
     watchdog_flow,
 )
@@ -83,6 +85,24 @@ def drive(flow: Any, respond: Responder, clock: FakeClock) -> tuple[Any, list[An
 
 def test_quorum_is_a_strict_majority() -> None:
     assert [quorum(n) for n in range(1, 8)] == [1, 2, 2, 3, 3, 4, 4]
+
+
+def test_has_quorum_from_exactly_a_majority_of_the_nodes() -> None:
+    """1 of 1, 2 of 3, 3 of 4, 3 of 5 and 4 of 6 are a quorum; one fewer is not."""
+    for count, node_count in [(1, 1), (2, 3), (3, 4), (3, 5), (4, 6)]:
+        assert has_quorum(count, node_count) and has_quorum(node_count, node_count)
+        assert not has_quorum(count - 1, node_count)
+
+
+def test_unanswered_nodes_may_hold_a_lock_only_as_a_quorum_of_their_own() -> None:
+    """3 of 5 silent nodes could hold a lock, 2 could not; of 4 nodes, 2 silent
+    cannot (a lock needs 3) though the 2 that answered are no quorum either."""
+    assert unanswered_may_hold(3, 5)
+    assert not unanswered_may_hold(2, 5)
+    assert unanswered_may_hold(3, 4)
+    assert not unanswered_may_hold(2, 4)
+    assert not has_quorum(4 - 2, 4)
+    assert not unanswered_may_hold(0, 3)
 
 
 def test_validity_subtracts_elapsed_time_and_drift() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from redlock_django import QuorumUnavailableError, Redlock, inspect
+from redlock_django import QuorumUnavailableError, Redlock, listing
 from redlock_django import conf as redlock_conf
 from redlock_django import nodes as node_pools
 from redlock_django.address import parse_node
@@ -405,12 +405,12 @@ def test_documented_ops_user_can_inspect_and_force_release(
     lock = Redlock("acl:stuck")
     assert lock.acquire()
     settings.REDLOCK = lock_settings(acl_urls(acl_nodes, f"redlock-ops:{OPS_PASSWORD}"))
-    statuses = inspect.node_status()
+    statuses = listing.node_status()
     assert [s.reachable for s in statuses] == [True] * 3
     assert all(s.version and s.lock_keys == 1 for s in statuses)
-    [held] = inspect.held_locks()
+    [held] = listing.held_locks()
     assert held.resource == "acl:stuck" and held.held_on == 3
-    outcome = inspect.force_release("acl:stuck", held.token_digest)
+    outcome = listing.force_release("acl:stuck", held.token_digest)
     assert outcome.released == (0, 1, 2)
     assert sum(a.exists(KEY.format("acl:stuck")) for a in acl_nodes) == 0
 
@@ -569,7 +569,7 @@ def test_debug_logs_of_a_lock_cycle_and_a_failed_one_have_no_credentials(
             time.sleep(0.6)  # one watchdog extension
         held = Redlock("listed")
         assert held.acquire()
-        inspect.held_locks()  # logs the node it skipped
+        listing.held_locks()  # logs the node it skipped
         held.release()
         settings.REDLOCK = lock_settings(secured[1:], NODE_TIMEOUT=FAIL_TIMEOUT)
         refused(lambda: Redlock("logged").acquire())
@@ -695,7 +695,7 @@ def test_tokens_come_from_secrets_with_at_least_128_bits(
 
 
 @pytest.mark.django_db
-def test_full_token_never_shown_by_admin_command_or_inspect(
+def test_full_token_never_shown_by_admin_command_or_listing(
     redlock_settings: dict[str, Any],
     nodes: NodeSet,
     admin_client: Any,
@@ -709,11 +709,11 @@ def test_full_token_never_shown_by_admin_command_or_inspect(
     with caplog.at_level(logging.DEBUG), Redlock("shown", label="x") as lock:
         token = nodes[0].client().hget(KEY.format("shown"), "token")
         assert token is not None and lock.owned()
-        digest = inspect.token_digest(token)
+        digest = listing.token_digest(token)
         surfaces = [
             admin_client.get("/admin/redlock_django/heldlock/").content.decode(),
-            repr(inspect.describe(["shown"])),
-            repr(inspect.held_locks()),
+            repr(listing.describe(["shown"])),
+            repr(listing.held_locks()),
         ]
         for args in (["list"], ["list", "--json"], ["status"]):
             out, err = io.StringIO(), io.StringIO()
@@ -746,7 +746,7 @@ def test_force_release_only_reaches_keys_under_the_configured_prefix(
     """Same token under other prefixes, bare, or as a glob match: left alone."""
     settings.REDLOCK = {**redlock_settings, "KEY_PREFIX": "app1"}
     token = b"shared-token"
-    digest = inspect.token_digest(token)
+    digest = listing.token_digest(token)
     others = ["app2:lock:x", "redlock:lock:x", "x", "app1:lock:xy", "app1:fence:x"]
     for key in ["app1:lock:x", *others]:
         plant_token(nodes, key, token)
@@ -787,7 +787,7 @@ def test_bad_resource_names_are_refused_before_any_key_is_built(
     with pytest.raises(ValueError, match=message):
         Redlock(resource)
     with pytest.raises(ValueError, match=message):
-        inspect.force_release(resource, "a" * 12)
+        listing.force_release(resource, "a" * 12)
 
 
 def test_longest_allowed_resource_name_locks() -> None:
@@ -824,4 +824,4 @@ def test_search_terms_match_literally_in_scan_patterns(
     hold("abc")
     hold("aXc")
     hold(f"has{search}inside")
-    assert inspect.lock_resources(search) == [f"has{search}inside"]
+    assert listing.lock_resources(search) == [f"has{search}inside"]

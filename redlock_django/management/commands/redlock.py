@@ -19,10 +19,10 @@ from django.core.management.base import (
     DjangoHelpFormatter,
 )
 
-from redlock_django import inspect
+from redlock_django import listing
 from redlock_django.conf import get_settings
 from redlock_django.keys import check_resource
-from redlock_django.protocol import quorum
+from redlock_django.protocol import has_quorum, quorum, unanswered_may_hold
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Command(BaseCommand):
             ),
         )
         status.set_defaults(run=self.handle_status)
-        listing = verbs.add_parser(
+        list_locks = verbs.add_parser(
             "list",
             help="List the locks held now, merged across the nodes.",
             description=(
@@ -107,18 +107,18 @@ class Command(BaseCommand):
                 "held on fewer than a quorum of nodes is flagged. Exit 0."
             ),
         )
-        listing.add_argument(
+        list_locks.add_argument(
             "--prefix",
             default="",
             metavar="TEXT",
             help="Only resources whose name starts with TEXT.",
         )
-        listing.add_argument(
+        list_locks.add_argument(
             "--json",
             action="store_true",
             help="Print a JSON array of objects (keys: " + ", ".join(JSON_KEYS) + ").",
         )
-        listing.set_defaults(run=self.handle_list)
+        list_locks.set_defaults(run=self.handle_list)
         release = verbs.add_parser(
             "release",
             help="Force-release one lock, whoever holds it.",
@@ -138,7 +138,7 @@ class Command(BaseCommand):
             help="Do not ask for confirmation (required when stdin is not a terminal).",
         )
         release.set_defaults(run=self.handle_release)
-        for verb in (status, listing, release):
+        for verb in (status, list_locks, release):
             _accept_base_options(verb)
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -151,7 +151,7 @@ class Command(BaseCommand):
     # --- status ---------------------------------------------------------------------
 
     def handle_status(self, **options: Any) -> None:
-        statuses = inspect.node_status()
+        statuses = listing.node_status()
         rows = [
             [
                 str(status.index),
@@ -171,7 +171,7 @@ class Command(BaseCommand):
         reachable = sum(status.reachable for status in statuses)
         needed = quorum(len(statuses))
         summary = f"{reachable}/{len(statuses)} nodes reachable, quorum {needed}"
-        if reachable < needed:
+        if not has_quorum(reachable, len(statuses)):
             self.stdout.write(self.style.ERROR(summary))
             raise CommandError(
                 f"fewer than a quorum of nodes reachable ({summary}): locks cannot "
@@ -186,10 +186,10 @@ class Command(BaseCommand):
         failed: dict[str, str] = {}
         resources = [
             resource
-            for resource in inspect.lock_resources(prefix, failed=failed)
+            for resource in listing.lock_resources(prefix, failed=failed)
             if resource.startswith(prefix)
         ]
-        held = inspect.describe(resources, failed=failed)
+        held = listing.describe(resources, failed=failed)
         for address, reason in failed.items():
             # stderr, so that --json output stays parseable.
             self.stderr.write(
@@ -208,7 +208,7 @@ class Command(BaseCommand):
             f"{len(held)} lock(s) held" + (f", {below} below quorum" if below else "")
         )
 
-    def _locks(self, held: Sequence[inspect.HeldLock]) -> None:
+    def _locks(self, held: Sequence[listing.ListedLock]) -> None:
         rows = [
             [
                 lock.resource,
@@ -248,10 +248,10 @@ class Command(BaseCommand):
         except ValueError as exc:
             raise CommandError(str(exc), returncode=EXIT_REFUSED) from None
         failed: dict[str, str] = {}
-        shown = inspect.describe([resource], failed=failed)
+        shown = listing.describe([resource], failed=failed)
         if not shown:
             count = len(get_settings().nodes)
-            if len(failed) >= quorum(count):
+            if unanswered_may_hold(len(failed), count):
                 raise CommandError(
                     f"cannot tell whether {resource!r} is locked: {len(failed)}/"
                     f"{count} nodes did not answer ({_reasons(failed)})",
@@ -267,7 +267,7 @@ class Command(BaseCommand):
         if not yes:
             self._confirm(lock, options.get("stdin") or sys.stdin)
 
-        outcome = inspect.force_release(resource, lock.token_digest)
+        outcome = listing.force_release(resource, lock.token_digest)
         conf = get_settings()
         for node in conf.nodes:
             if node.display in outcome.failed:
@@ -294,7 +294,7 @@ class Command(BaseCommand):
                 "after it was shown",
                 returncode=EXIT_NOT_HELD,
             )
-        if len(outcome.failed) >= quorum(count):
+        if unanswered_may_hold(len(outcome.failed), count):
             raise CommandError(
                 f"released {resource!r} on {len(outcome.released)}/{count} nodes, but "
                 f"{len(outcome.failed)} could not be reached: the lock may still be "
@@ -307,7 +307,7 @@ class Command(BaseCommand):
             )
         )
 
-    def _confirm(self, lock: inspect.HeldLock, stdin: TextIO) -> None:
+    def _confirm(self, lock: listing.ListedLock, stdin: TextIO) -> None:
         if not stdin.isatty():
             raise CommandError(
                 f"not releasing {lock.resource!r}: stdin is not a terminal to "
@@ -362,17 +362,17 @@ def _lock_keys(count: int | None) -> str:
     if count is None:
         return "-"
     # The count stops at SCAN_CAP: say "at least".
-    return f">={count}" if count >= inspect.SCAN_CAP else str(count)
+    return f">={count}" if count >= listing.SCAN_CAP else str(count)
 
 
-def _holder(lock: inspect.HeldLock) -> str:
+def _holder(lock: listing.ListedLock) -> str:
     where = lock.host or "?"
     if lock.pid is not None:
         where += f":{lock.pid}"
     return f"{where} {lock.holder}" if lock.holder else where
 
 
-def _when(lock: inspect.HeldLock) -> str:
+def _when(lock: listing.ListedLock) -> str:
     if lock.acquired_at is None:
         return "-"
     return lock.acquired_at.strftime("%Y-%m-%d %H:%M:%S")
@@ -382,7 +382,7 @@ def _seconds(value: float) -> str:
     return "no expiry" if math.isinf(value) else f"{value:.1f}s"
 
 
-def _flags(lock: inspect.HeldLock) -> str:
+def _flags(lock: listing.ListedLock) -> str:
     flags = []
     if lock.below_quorum:
         flags.append(f"BELOW QUORUM ({lock.quorum})")
@@ -391,7 +391,7 @@ def _flags(lock: inspect.HeldLock) -> str:
     return "; ".join(flags)
 
 
-def _as_json(lock: inspect.HeldLock) -> dict[str, object]:
+def _as_json(lock: listing.ListedLock) -> dict[str, object]:
     values: dict[str, object] = {
         "resource": lock.resource,
         "held_on": lock.held_on,

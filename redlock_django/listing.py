@@ -1,4 +1,9 @@
-"""Read-only views of the lock nodes, for the admin and ``manage.py redlock``.
+"""The listing: a read-only view of the lock nodes, for the admin and the command.
+
+It owns node health (``node_status()``), the held locks merged across the nodes
+(``lock_resources()``, ``describe()``, ``held_locks()``, as ``ListedLock`` rows) and
+the operator's forced release (``force_release()``); named ``listing``, not
+``inspect``, so that it never shadows the standard library module.
 
 Listing comes in two steps, so that a page of 10,000 held locks stays cheap:
 ``lock_resources()`` SCANs key names only (never KEYS, which blocks a node while it
@@ -46,18 +51,17 @@ from . import nodes as node_pools
 from .address import NodeSpec
 from .conf import RedlockSettings, get_settings
 from .keys import check_resource, lock_head, lock_key, lock_pattern
-from .protocol import quorum
-from .scripts import Script
+from .protocol import has_quorum, quorum
+from .scripts import FORCE_RELEASE_SCRIPT
 
 __all__ = [
     "DIGEST_LENGTH",
-    "FORCE_RELEASE_SCRIPT",
     "INSPECT_DEADLINE",
     "INSPECT_TIMEOUT",
     "SCAN_CAP",
     "SCAN_COUNT",
     "ForceRelease",
-    "HeldLock",
+    "ListedLock",
     "NodeStatus",
     "describe",
     "force_release",
@@ -88,28 +92,6 @@ _DESCRIBE_BATCH = 1000
 _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_LENGTH},40}}")
 
 
-# KEYS[1] lock key
-# ARGV[1] a prefix of the SHA1 of the token to evict (lowercase hex)
-# returns 1 when the key held a token whose SHA1 starts with ARGV[1] and it was
-# deleted, else 0: a lock that changed hands since the operator saw it, a key that
-# is gone, or a value of another type is left alone. The fencing counter is not
-# touched: it already covers the evicted holder's token on a quorum, so the next
-# holder gets a greater one.
-FORCE_RELEASE_SCRIPT = Script(
-    "force_release",
-    """
-local token = redis.pcall('hget', KEYS[1], 'token')
-if type(token) ~= 'string' then
-  return 0
-end
-if string.sub(redis.sha1hex(token), 1, string.len(ARGV[1])) ~= ARGV[1] then
-  return 0
-end
-return redis.call('del', KEYS[1])
-""",
-)
-
-
 @dataclass(frozen=True)
 class NodeStatus:
     """Health of one node: reachable or not, latency, version, lock keys.
@@ -131,7 +113,7 @@ class NodeStatus:
 
 
 @dataclass(frozen=True)
-class HeldLock:
+class ListedLock:
     """One lock as the nodes hold it right now, merged across the nodes.
 
     The token held on most nodes is *the* lock: ``token_digest`` (a prefix of its
@@ -141,6 +123,8 @@ class HeldLock:
     on fewer than ``quorum`` nodes is still listed: ``below_quorum`` flags it.
     ``time_left`` is the smallest lease left among ``nodes``, in seconds
     (``math.inf`` for a key without expiry, which the library never writes).
+    Not to be confused with ``models.HeldLock``, the model behind the admin page's
+    permissions.
     """
 
     resource: str
@@ -166,7 +150,7 @@ class HeldLock:
     @property
     def below_quorum(self) -> bool:
         """Return whether the token is held on fewer nodes than a quorum."""
-        return self.held_on < self.quorum
+        return not has_quorum(self.held_on, self.node_count)
 
 
 @dataclass(frozen=True)
@@ -377,7 +361,7 @@ class _Seen:
 
 def describe(
     resources: Sequence[str], *, failed: dict[str, str] | None = None
-) -> list[HeldLock]:
+) -> list[ListedLock]:
     """Return the held locks of ``resources``, in the order given.
 
     One pipeline per node (HGETALL and PTTL for each resource), all nodes at
@@ -430,14 +414,14 @@ def describe(
 
 def held_locks(
     search: str = "", *, failed: dict[str, str] | None = None
-) -> list[HeldLock]:
+) -> list[ListedLock]:
     """Return every held lock whose resource contains ``search``; for small sets."""
     return describe(lock_resources(search, failed=failed), failed=failed)
 
 
 def _merge(
     resource: str, entries: list[_Seen], foreign: int, node_count: int
-) -> HeldLock | None:
+) -> ListedLock | None:
     by_token: dict[bytes, list[_Seen]] = {}
     for entry in entries:
         by_token.setdefault(entry.fields[b"token"], []).append(entry)
@@ -461,7 +445,7 @@ def _merge(
     fences = [_int(entry.fields.get(b"fence")) for entry in holding]
     known_fences = [fence for fence in fences if fence is not None]
     left_ms = min(lease_ms(entry) for entry in holding)
-    return HeldLock(
+    return ListedLock(
         resource=resource,
         token_digest=token_digest(token),
         nodes=tuple(sorted(entry.node for entry in holding)),

@@ -1,4 +1,4 @@
-"""redlock_django.inspect on real nodes: listing, merging, health, force release."""
+"""redlock_django.listing on real nodes: listing, merging, health, force release."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 
 from redlock_django import LockError, Redlock
-from redlock_django import inspect as redlock_inspect
-from redlock_django.inspect import (
-    FORCE_RELEASE_SCRIPT,
+from redlock_django import listing as redlock_listing
+from redlock_django.listing import (
     ForceRelease,
-    HeldLock,
+    ListedLock,
     describe,
     force_release,
     held_locks,
     lock_resources,
     node_status,
 )
+from redlock_django.scripts import FORCE_RELEASE_SCRIPT
 from tests._nodes import NodeSet
 
 PASSWORD = "s3cret-pass"
@@ -216,8 +216,8 @@ def test_node_status_reports_stopped_and_paused_nodes_in_bounded_time(
         assert status.latency_ms is None and status.version is None
         assert status.lock_keys is None
     # Nodes are asked in parallel: one INSPECT_TIMEOUT, not one per bad node.
-    assert status_time < 2 * redlock_inspect.INSPECT_TIMEOUT + 0.5
-    assert listing_time < 4 * redlock_inspect.INSPECT_TIMEOUT + 0.5
+    assert status_time < 2 * redlock_listing.INSPECT_TIMEOUT + 0.5
+    assert listing_time < 4 * redlock_listing.INSPECT_TIMEOUT + 0.5
     assert [h.nodes for h in held] == [(0, 3, 4)]
     # Once resumed, the node answers again: no stale reply is left on a connection.
     statuses = node_status()
@@ -406,12 +406,12 @@ def test_scans_stop_at_the_key_cap_and_the_deadline(
         for i in range(3000):
             pipe.hset(key(f"many:{i}"), "token", "t")
         pipe.execute()
-    monkeypatch.setattr(redlock_inspect, "SCAN_CAP", 1500)
+    monkeypatch.setattr(redlock_listing, "SCAN_CAP", 1500)
     assert node_status()[0].lock_keys == 1500
     assert len(lock_resources()) == 1500
 
-    monkeypatch.setattr(redlock_inspect, "SCAN_CAP", 100_000)
-    monkeypatch.setattr(redlock_inspect, "INSPECT_DEADLINE", 0.0)
+    monkeypatch.setattr(redlock_listing, "SCAN_CAP", 100_000)
+    monkeypatch.setattr(redlock_listing, "INSPECT_DEADLINE", 0.0)
     failed: dict[str, str] = {}
     assert lock_resources(failed=failed) == []
     assert failed == {nodes[0].url: "scan took longer than 0s"}
@@ -438,6 +438,6 @@ def test_held_lock_rows_are_plain_frozen_values(
     """Rows are frozen dataclasses: safe to cache or hand to templates."""
     hold("frozen")
     (held,) = held_locks()
-    assert isinstance(held, HeldLock)
+    assert isinstance(held, ListedLock)
     with pytest.raises(AttributeError):
         held.resource = "other"  # type: ignore[misc]
