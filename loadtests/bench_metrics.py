@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
 
-    from tests._nodes import NodeSet
+    from harness.nodes import NodeSet
 
     with tempfile.TemporaryDirectory() as tmp:
         nodes = NodeSet.create(args.nodes, Path(tmp))

@@ -56,13 +56,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.nodes import NodeSet
+from harness.processes import REPO, gunicorn_workers, log_tail
 from loadtests.demo import (
-    REPO,
     Demo,
     DemoError,
     Progress,
     get_json,
-    log_tail,
     run_manage,
     run_to_the_end,
     seed,
@@ -205,22 +205,6 @@ class Step:
     done: bool = False
 
 
-def gunicorn_workers(master: int) -> list[int]:
-    """Return the pids of the worker processes of a gunicorn master (Linux)."""
-    workers = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == master:  # fields: state, ppid, ...
-            workers.append(int(entry.name))
-    return sorted(workers)
-
-
 @dataclass
 class Sample:
     at: float
@@ -339,9 +323,6 @@ class Chaos(Demo):
 
     def start_redis(self) -> str:
         # Always our own nodes, whatever REDLOCK_NODES says: they get killed.
-        sys.path.insert(0, str(REPO))
-        from tests._nodes import NodeSet
-
         self.nodes = NodeSet.create(self.args.redis_nodes, self.workdir / "redis")
         self.nodes.start_all()
         self.env["REDLOCK_NODES"] = ",".join(self.nodes.urls)

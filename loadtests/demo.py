@@ -20,16 +20,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,111 +33,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
-PREFERRED_PORTS = range(8001, 8100)
-STOP_TIMEOUT = 8.0
-
-
-def _die_with_parent() -> Any:
-    """Return a ``preexec_fn`` that kills the child when this process dies (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)
-    parent = os.getpid()
-
-    def hook() -> None:
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return hook
-
-
-def port_is_free(port: int) -> bool:
-    """Return whether a TCP port on the loopback address can be bound now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-        return True
-
-
-def pick_ports(count: int) -> list[int]:
-    """Return ``count`` free ports, 8001, 8002, ... when those are free."""
-    ports: list[int] = []
-    for port in PREFERRED_PORTS:
-        if len(ports) == count:
-            break
-        if port_is_free(port):
-            ports.append(port)
-    while len(ports) < count:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((HOST, 0))
-            port = sock.getsockname()[1]
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
-class Children:
-    """Child processes, each in its own process group, stopped as groups."""
-
-    def __init__(self) -> None:
-        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(
-        self, name: str, command: list[str], env: dict[str, str], log: Path
-    ) -> subprocess.Popen[bytes]:
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                command,
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                # Own session: a terminal's Ctrl-C reaches only this script,
-                # which then stops each group in order.
-                start_new_session=True,
-                preexec_fn=_die_with_parent(),
-            )
-        self.processes.append((name, process))
-        return process
-
-    def stop(self, process: subprocess.Popen[bytes]) -> None:
-        """SIGTERM the process's group, SIGKILL it after a while; reap it."""
-        group = process.pid  # start_new_session: the group id is the pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGTERM)
-        try:
-            process.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
-            process.wait(STOP_TIMEOUT)
-        # Workers left behind by a master that died first.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGKILL)
-
-    def stop_all(self) -> None:
-        for _, process in reversed(self.processes):
-            self.stop(process)
-        self.processes.clear()
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+from harness.nodes import NodeSet
+from harness.processes import HOST, REPO, Children, log_tail, pick_ports
 
 
 def run_manage(args: list[str], env: dict[str, str]) -> str:
@@ -250,9 +143,6 @@ class Demo:
             self.env["REDLOCK_NODES"] = os.environ["REDLOCK_NODES"]
             count = len([u for u in self.env["REDLOCK_NODES"].split(",") if u])
             return f"using REDLOCK_NODES ({count} nodes)"
-        sys.path.insert(0, str(REPO))
-        from tests._nodes import NodeSet
-
         self.nodes = NodeSet.create(self.args.redis_nodes, self.workdir / "redis")
         self.nodes.start_all()
         self.env["REDLOCK_NODES"] = ",".join(self.nodes.urls)

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
 from redlock_django import LockError, Redlock
 from tests._matrix import matrix, matrix_recorder  # noqa: F401  (fixtures)
-from tests._nodes import NodeSet
 
 NODE_COUNT = 5
 

@@ -26,9 +26,9 @@ from django.contrib.contenttypes.models import ContentType
 from django.test import Client
 from django.urls import reverse
 
+from harness.nodes import NodeSet, RedisNode
 from redlock_django import LockLostError, Redlock
 from redlock_django.models import HeldLock
-from tests._nodes import NodeSet, RedisNode
 
 pytestmark = pytest.mark.django_db
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
 from redlock_django import LockLostError, Redlock
-from tests._nodes import NodeSet
 
 LIST_URL = "/admin/redlock_django/heldlock/"
 CHROMIUM_FLAGS = (

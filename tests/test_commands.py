@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command, execute_from_command_line
 
+from harness.nodes import NodeSet
 from redlock_django import LockError, Redlock
 from redlock_django.management.commands.redlock import JSON_KEYS, Command
-from tests._nodes import NodeSet
 
 PASSWORD = "s3cret-pass"
 LOGGER = "redlock_django.management.commands.redlock"

@@ -31,10 +31,10 @@ from django.test import Client
 from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
 
-from loadtests.demo import REPO, Children
+from harness.nodes import free_port
+from harness.processes import REPO, Children
 from redlock_django import Redlock
 from redlock_django.decorators import distributed_lock
-from tests._nodes import free_port
 
 pytestmark = pytest.mark.urls(__name__)
 

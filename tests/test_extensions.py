@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
 from redlock_django import LockLostError, Redlock
-from tests._nodes import NodeSet
-from tests._proxy import FaultProxy
 
 KEY = "redlock:lock:{}"
 TTL = 1.2

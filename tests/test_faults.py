@@ -1,7 +1,7 @@
 """Faults of the reliability matrix (issue 6) not covered elsewhere, injected for real.
 
 Each test names its scenario number in ``docs/reliability.md``. Lost replies come
-from ``tests/_proxy.py`` proxies, crashes from SIGKILL of real ``redis-server``s and
+from ``harness/proxy.py`` proxies, crashes from SIGKILL of real ``redis-server``s and
 of holder subprocesses (``tests/_holders.py``), script-cache loss from ``SCRIPT
 FLUSH``, and wall-clock jumps from libfaketime in a subprocess.
 """
@@ -28,6 +28,8 @@ import pytest
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
 from redlock_django import LockLostError, QuorumUnavailableError, Redlock
 from redlock_django.scripts import (
     ACQUIRE_SCRIPT,
@@ -44,8 +46,6 @@ from tests._matrix import (
     scenario_test_id,
     unexpected_keys_without_ttl,
 )
-from tests._nodes import NodeSet
-from tests._proxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1195,7 +1195,7 @@ def _child_acquire_loop() -> None:
 
 
 def wait_for_state(pid: int, state: str, timeout: float = 5.0) -> None:
-    from tests._nodes import process_state
+    from harness.processes import process_state
 
     deadline = time.monotonic() + timeout
     while process_state(pid) != state:

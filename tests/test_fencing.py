@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import redis
 
+from harness.nodes import NodeSet, RedisNode
+from harness.proxy import FaultProxy
 from redlock_django import LockError, QuorumUnavailableError, Redlock
-from tests._nodes import NodeSet, RedisNode
-from tests._proxy import FaultProxy
 
 RESOURCE = "fenced"
 LOCK_KEY = f"redlock:lock:{RESOURCE}"

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
 from redlock_django import LockContentionError, LockLostError, Redlock, signals
-from tests._nodes import NodeSet
 
 KEY = "redlock:lock:{}"
 
@@ -328,7 +328,7 @@ async def test_an_acquire_cancelled_again_and_again_leaves_no_lock_behind(
     through fault proxies): its clean-up still runs to the end, so no node keeps
     a key nobody holds. Before, a second cancellation cut the clean-up short and
     a granted quorum stayed locked for the whole TTL (most of 30 rounds)."""
-    from tests._proxy import FaultProxy
+    from harness.proxy import FaultProxy
 
     proxies = [FaultProxy(node.port).start() for node in nodes]
     settings.REDLOCK = {

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
 from redlock_django import LockError, Redlock
 from redlock_django import inspect as redlock_inspect
 from redlock_django.inspect import (
@@ -27,7 +28,6 @@ from redlock_django.inspect import (
     lock_resources,
     node_status,
 )
-from tests._nodes import NodeSet
 
 PASSWORD = "s3cret-pass"
 

@@ -31,8 +31,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from loadtests.demo import Children
-from tests._nodes import NodeSet, free_port
+from harness.nodes import NodeSet, free_port
+from harness.processes import Children
 
 pytestmark = pytest.mark.slow
 

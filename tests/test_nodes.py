@@ -10,10 +10,10 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 
+from harness.nodes import find_redis_server
 from redlock_django import QuorumUnavailableError, Redlock
 from redlock_django import nodes as node_pools
 from redlock_django.conf import get_settings
-from tests._nodes import find_redis_server
 
 KEY = "redlock:lock:{}"
 

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import redis
 
+from harness.nodes import NodeSet, RedisNode
 from redlock_django import LockLostError, QuorumUnavailableError, Redlock
 from redlock_django.protocol import quorum
 from redlock_django.scripts import (
@@ -38,7 +39,6 @@ from redlock_django.scripts import (
     PTTL_SCRIPT,
     RELEASE_SCRIPT,
 )
-from tests._nodes import NodeSet, RedisNode
 
 FOREIGN = b"foreign-token"
 #: Foreign leases outlast ours (10 s), so a foreign key we refreshed would show it.

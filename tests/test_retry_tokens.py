@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import redis
 
+from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
 from redlock_django import Redlock
 from redlock_django.scripts import ACQUIRE_SCRIPT, RELEASE_SCRIPT
 from tests._api import SyncAPI, make_api
-from tests._nodes import NodeSet
-from tests._proxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import redis
 
+from harness.nodes import NodeSet, RedisNodeError
 from redlock_django import QuorumUnavailableError, Redlock, inspect
 from redlock_django import conf as redlock_conf
 from redlock_django import nodes as node_pools
-from tests._nodes import NodeSet, RedisNodeError
 from tests._tls import (
     Certificates,
     TLSRedisNode,

@@ -29,9 +29,9 @@ from django.core.management import call_command
 from django.db import connection, connections
 from django.test import Client
 
+from harness.nodes import NodeSet
 from redlock_django import Redlock
 from shop.models import Order, Product, audit
-from tests._nodes import NodeSet
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK_PREFIX = "redlock:lock:"

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests._nodes import NodeSet
+from harness.nodes import NodeSet
 from tests.test_shop import ROOT, ShopServers, request, shop_servers
 
 __all__ = ["shop_servers"]  # the fixture, imported for the tests below

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
 from redlock_django import Redlock
 from tests._holders import FENCED_WRITE
-from tests._nodes import NodeSet
 
 ROOT = Path(__file__).resolve().parent.parent
 TTL = 0.5

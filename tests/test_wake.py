@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
 from redlock_django import Redlock, nodes, signals, wake
 from redlock_django.conf import get_settings
-from tests._nodes import NodeSet
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
