@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.locust import locust_command, locust_env
 from harness.nodes import NodeSet
 from harness.processes import REPO, gunicorn_workers, log_tail
 from loadtests.demo import (
@@ -494,22 +495,18 @@ class Chaos(Demo):
         summary_path = self.workdir / f"locust-{mode}.json"
         log = self.workdir / f"locust-{mode}.log"
         scenario = "unsafe" if args.unsafe else "locked,double-click"
-        command = [
-            sys.executable, "-m", "locust",
-            "-f", str(REPO / "loadtests" / "locustfile.py"),
-            "--headless",
-            "-u", str(args.users),
-            "-r", str(args.spawn_rate),
-            "-t", f"{args.duration}s",
-            "--html", str(html),
-            "--only-summary",
-            "--app-hosts", ",".join(self.hosts),
-            "--product-id", str(product_id),
-            "--scenario", scenario,
-            "--expect-oversell", "no",
-            "--summary-json", str(summary_path),
-        ]  # fmt: skip
-        env = {k: v for k, v in self.env.items() if not k.startswith("LOCUST_")}
+        command = locust_command(
+            hosts=self.hosts,
+            product_id=product_id,
+            scenario=scenario,
+            users=args.users,
+            spawn_rate=args.spawn_rate,
+            run_time=args.duration,
+            summary_json=summary_path,
+            html=html,
+            expect_oversell="no",
+        )
+        env = locust_env(self.env)
         self.steps = steps = self.schedule()
         self.progress = Progress()
         process = self.children.start(f"locust:{mode}", command, env, log)

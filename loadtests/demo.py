@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.locust import locust_command, locust_env
 from harness.nodes import NodeSet
 from harness.processes import HOST, REPO, Children, log_tail, pick_ports
 
@@ -193,23 +194,18 @@ class Demo:
         summary_path = self.reports / f"{mode}.json"
         summary_path.unlink(missing_ok=True)
         log = self.workdir / f"locust-{mode}.log"
-        command = [
-            sys.executable, "-m", "locust",
-            "-f", str(REPO / "loadtests" / "locustfile.py"),
-            "--headless",
-            "-u", str(args.users),
-            "-r", str(args.spawn_rate),
-            "-t", f"{args.run_time}s",
-            "--html", str(html),
-            "--only-summary",
-            "--app-hosts", ",".join(self.hosts),
-            "--product-id", str(product_id),
-            "--scenario", mode,
-            "--summary-json", str(summary_path),
-        ]  # fmt: skip
-        if args.stop_after_sold_out is not None:
-            command += ["--stop-after-sold-out", str(args.stop_after_sold_out)]
-        env = {k: v for k, v in self.env.items() if not k.startswith("LOCUST_")}
+        command = locust_command(
+            hosts=self.hosts,
+            product_id=product_id,
+            scenario=mode,
+            users=args.users,
+            spawn_rate=args.spawn_rate,
+            run_time=args.run_time,
+            summary_json=summary_path,
+            html=html,
+            stop_after_sold_out=args.stop_after_sold_out,
+        )
+        env = locust_env(self.env)
         process = self.children.start(f"locust:{mode}", command, env, log)
         progress = Progress()
         started = time.monotonic()
