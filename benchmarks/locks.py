@@ -17,9 +17,9 @@ configures Django itself, and measures:
 
 Usage::
 
-    .venv/bin/python -m loadtests.bench_locks            # about 3 minutes
-    .venv/bin/python -m loadtests.bench_locks --quick    # about 1 minute
-    .venv/bin/python -m loadtests.bench_locks --json out.json
+    .venv/bin/python -m benchmarks.locks            # about 3 minutes
+    .venv/bin/python -m benchmarks.locks --quick    # about 1 minute
+    .venv/bin/python -m benchmarks.locks --json out.json
 
 The peers come from the ``bench`` extra (``pip install -e '.[bench]'``). A peer
 that is not installed is skipped. Everything is bounded in time; every process and
