@@ -30,6 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,93 +110,127 @@ class Progress:
         print(text, flush=True)
 
 
+Server = tuple[str, subprocess.Popen[bytes], Path]  # (http://host:port, master, log)
+
+
+@dataclass
+class Stage:
+    """What a run has set up: its environment, processes, nodes and app servers.
+
+    The steps below (:func:`prepare`, :func:`start_redis`, :func:`start_servers`)
+    fill it in; ``make demo`` and ``make chaos`` both run them, then drive their
+    own Locust runs against ``hosts``. :meth:`close` stops everything started.
+    """
+
+    workdir: Path
+    reports: Path
+    env: dict[str, str] = field(default_factory=dict)
+    children: Children = field(default_factory=Children)
+    nodes: Any = None  # a harness.nodes.NodeSet when the run started its own
+    servers: list[Server] = field(default_factory=list)
+
+    @property
+    def hosts(self) -> list[str]:
+        return [host for host, _, _ in self.servers]
+
+    def close(self) -> None:
+        self.stage.close()
+
+
+def prepare(stage: Stage, work_ms: int | None) -> None:
+    """Empty the work directory and build the app servers' environment."""
+    if stage.workdir.exists():
+        shutil.rmtree(stage.workdir)
+    stage.workdir.mkdir(parents=True)
+    stage.reports.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        DJANGO_SETTINGS_MODULE="shop.settings",
+        PYTHONUNBUFFERED="1",
+        DEBUG=env.get("DEBUG", "0"),
+    )
+    if work_ms is not None:
+        env["SHOP_WORK_MS"] = str(work_ms)
+    if not env.get("DATABASE_URL"):
+        env["DATABASE_URL"] = f"sqlite:///{stage.workdir / 'shop.sqlite3'}"
+    stage.env = env
+
+
+def start_redis(stage: Stage, count: int, *, reuse_env: bool = True) -> str:
+    """Start ``count`` redis-server nodes, or use ``REDLOCK_NODES`` if allowed."""
+    if reuse_env and os.environ.get("REDLOCK_NODES"):
+        stage.env["REDLOCK_NODES"] = os.environ["REDLOCK_NODES"]
+        count = len([u for u in stage.env["REDLOCK_NODES"].split(",") if u])
+        return f"using REDLOCK_NODES ({count} nodes)"
+    stage.nodes = NodeSet.create(count, stage.workdir / "redis")
+    stage.nodes.start_all()
+    stage.env["REDLOCK_NODES"] = ",".join(stage.nodes.urls)
+    ports = ", ".join(str(p) for p in stage.nodes.ports)
+    return f"{len(stage.nodes)} redis-server nodes on ports {ports}"
+
+
+def start_servers(stage: Stage, count: int, workers: int, product_id: int) -> None:
+    """Start ``count`` gunicorn app servers and wait until each serves the product."""
+    started: list[Server] = []
+    for port in pick_ports(count):
+        log = stage.workdir / f"app-{port}.log"
+        command = [
+            sys.executable, "-m", "gunicorn", "shop.wsgi:application",
+            "--bind", f"{HOST}:{port}",
+            "--workers", str(workers),
+            "--worker-class", "sync",
+            "--backlog", "2048",
+            "--timeout", "30",
+            "--graceful-timeout", "3",
+            "--log-level", "warning",
+            "--error-logfile", "-",
+        ]  # fmt: skip
+        process = stage.children.start(f"app:{port}", command, stage.env, log)
+        started.append((f"http://{HOST}:{port}", process, log))
+    stage.servers += started
+    deadline = time.monotonic() + 45.0
+    for host, process, log in started:
+        url = f"{host}/shop/products/{product_id}/"
+        while True:
+            if process.poll() is not None:
+                raise DemoError(
+                    f"the app server {host} exited ({process.returncode}); "
+                    f"{log}:\n{log_tail(log)}"
+                )
+            try:
+                get_json(url, timeout=1.0)
+                break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise DemoError(f"{url} did not answer; {log}:\n{log_tail(log)}")
+            time.sleep(0.2)
+
+
+def rel(path: Path) -> str:
+    """Return ``path`` relative to the current directory when it is below it."""
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
 class Demo:
+    """The two Locust runs, unlocked then locked, on one :class:`Stage`."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.workdir = REPO / ".demo"
-        self.reports = (REPO / args.reports_dir).resolve()
-        self.children = Children()
-        self.nodes: Any = None
-        self.env: dict[str, str] = {}
-        self.hosts: list[str] = []
-        self.servers: list[tuple[str, subprocess.Popen[bytes], Path]] = []
-
-    # -- setup ---------------------------------------------------------------
-
-    def prepare(self) -> None:
-        if self.workdir.exists():
-            shutil.rmtree(self.workdir)
-        self.workdir.mkdir(parents=True)
-        self.reports.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        env.update(
-            DJANGO_SETTINGS_MODULE="shop.settings",
-            PYTHONUNBUFFERED="1",
-            DEBUG=env.get("DEBUG", "0"),
-        )
-        if self.args.work_ms is not None:
-            env["SHOP_WORK_MS"] = str(self.args.work_ms)
-        if not env.get("DATABASE_URL"):
-            env["DATABASE_URL"] = f"sqlite:///{self.workdir / 'shop.sqlite3'}"
-        self.env = env
-
-    def start_redis(self) -> str:
-        if os.environ.get("REDLOCK_NODES"):
-            self.env["REDLOCK_NODES"] = os.environ["REDLOCK_NODES"]
-            count = len([u for u in self.env["REDLOCK_NODES"].split(",") if u])
-            return f"using REDLOCK_NODES ({count} nodes)"
-        self.nodes = NodeSet.create(self.args.redis_nodes, self.workdir / "redis")
-        self.nodes.start_all()
-        self.env["REDLOCK_NODES"] = ",".join(self.nodes.urls)
-        ports = ", ".join(str(p) for p in self.nodes.ports)
-        return f"{len(self.nodes)} redis-server nodes on ports {ports}"
-
-    def start_servers(self, product_id: int) -> None:
-        ports = pick_ports(self.args.servers)
-        for port in ports:
-            log = self.workdir / f"app-{port}.log"
-            command = [
-                sys.executable, "-m", "gunicorn", "shop.wsgi:application",
-                "--bind", f"{HOST}:{port}",
-                "--workers", str(self.args.workers),
-                "--worker-class", "sync",
-                "--backlog", "2048",
-                "--timeout", "30",
-                "--graceful-timeout", "3",
-                "--log-level", "warning",
-                "--error-logfile", "-",
-            ]  # fmt: skip
-            process = self.children.start(f"app:{port}", command, self.env, log)
-            self.servers.append((f"http://{HOST}:{port}", process, log))
-        self.hosts = [host for host, _, _ in self.servers]
-        deadline = time.monotonic() + 45.0
-        for host, process, log in self.servers:
-            url = f"{host}/shop/products/{product_id}/"
-            while True:
-                if process.poll() is not None:
-                    raise DemoError(
-                        f"the app server {host} exited ({process.returncode}); "
-                        f"{log}:\n{log_tail(log)}"
-                    )
-                try:
-                    get_json(url, timeout=1.0)
-                    break
-                except (OSError, ValueError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise DemoError(f"{url} did not answer; {log}:\n{log_tail(log)}")
-                time.sleep(0.2)
+        self.stage = Stage(REPO / ".demo", (REPO / args.reports_dir).resolve())
 
     # -- a Locust run ----------------------------------------------------------
 
     def run_locust(self, mode: str, product_id: int) -> dict[str, Any]:
         args = self.args
-        html = self.reports / f"{mode}.html"
-        summary_path = self.reports / f"{mode}.json"
+        html = self.stage.reports / f"{mode}.html"
+        summary_path = self.stage.reports / f"{mode}.json"
         summary_path.unlink(missing_ok=True)
-        log = self.workdir / f"locust-{mode}.log"
+        log = self.stage.workdir / f"locust-{mode}.log"
         command = locust_command(
-            hosts=self.hosts,
+            hosts=self.stage.hosts,
             product_id=product_id,
             scenario=mode,
             users=args.users,
@@ -205,11 +240,11 @@ class Demo:
             html=html,
             stop_after_sold_out=args.stop_after_sold_out,
         )
-        env = locust_env(self.env)
-        process = self.children.start(f"locust:{mode}", command, env, log)
+        env = locust_env(self.stage.env)
+        process = self.stage.children.start(f"locust:{mode}", command, env, log)
         progress = Progress()
         started = time.monotonic()
-        audit_url = f"{self.hosts[0]}/shop/products/{product_id}/audit/"
+        audit_url = f"{self.stage.hosts[0]}/shop/products/{product_id}/audit/"
         try:
             while process.poll() is None:
                 elapsed = time.monotonic() - started
@@ -229,10 +264,10 @@ class Demo:
                     process.wait(1.0)
         finally:
             if process.poll() is None:
-                self.children.stop(process)
+                self.stage.children.stop(process)
         progress.done(
             f"  {mode:<7} done in {time.monotonic() - started:.0f} s "
-            f"(Locust exit code {process.returncode}; log {self.rel(log)})"
+            f"(Locust exit code {process.returncode}; log {rel(log)})"
         )
         if not summary_path.exists():
             raise DemoError(
@@ -241,32 +276,27 @@ class Demo:
         summary: dict[str, Any] = json.loads(summary_path.read_text())
         summary["mode"] = mode
         summary["locust_exit_code"] = process.returncode
-        summary["verify_sale_exit_code"] = verify(self.env, product_id)
+        summary["verify_sale_exit_code"] = verify(self.stage.env, product_id)
         summary["html"] = str(html)
         return summary
-
-    @staticmethod
-    def rel(path: Path) -> str:
-        with contextlib.suppress(ValueError):
-            return str(path.relative_to(Path.cwd()))
-        return str(path)
 
     # -- the whole demo ----------------------------------------------------------
 
     def run(self) -> int:
         args = self.args
-        self.prepare()
-        print(f"[1/6] Redis: {self.start_redis()}", flush=True)
-        database = self.env["DATABASE_URL"]
+        prepare(self.stage, args.work_ms)
+        print(f"[1/6] Redis: {start_redis(self.stage, args.redis_nodes)}", flush=True)
+        database = self.stage.env["DATABASE_URL"]
         shown = database if database.startswith("sqlite") else "DATABASE_URL"
         print(f"[2/6] database: {shown}: migrating", flush=True)
-        run_manage(["migrate", "--noinput"], self.env)
-        product_id = seed(self.env, args.stock)
+        run_manage(["migrate", "--noinput"], self.stage.env)
+        product_id = seed(self.stage.env, args.stock)
         print(f"[3/6] seeded product {product_id} with {args.stock} units", flush=True)
-        self.start_servers(product_id)
-        ports = ", ".join(host.rsplit(":", 1)[1] for host in self.hosts)
+        start_servers(self.stage, args.servers, args.workers, product_id)
+        hosts = self.stage.hosts
+        ports = ", ".join(host.rsplit(":", 1)[1] for host in hosts)
         print(
-            f"[4/6] {len(self.hosts)} app servers (gunicorn, {args.workers} workers "
+            f"[4/6] {len(hosts)} app servers (gunicorn, {args.workers} workers "
             f"each) on ports {ports}",
             flush=True,
         )
@@ -276,7 +306,7 @@ class Demo:
             flush=True,
         )
         unsafe = self.run_locust("unsafe", product_id)
-        product_id = seed(self.env, args.stock)
+        product_id = seed(self.stage.env, args.stock)
         print(
             f"[6/6] re-seeded {args.stock} units; Locust on POST buy/ (Redlock): "
             f"{args.users} users, {args.run_time} s",
@@ -290,14 +320,14 @@ class Demo:
         print(format_table([unsafe, locked]))
         print()
         for summary in (unsafe, locked):
-            html = self.rel(Path(summary["html"]))
+            html = rel(Path(summary["html"]))
             print(f"Locust report ({summary['endpoint']}): {html}")
         print(
             "manage.py verify_sale exit codes (1 = oversold): "
             f"unsafe {unsafe['verify_sale_exit_code']}, "
             f"locked {locked['verify_sale_exit_code']}"
         )
-        print(f"Logs: {self.rel(self.workdir)}/")
+        print(f"Logs: {rel(self.stage.workdir)}/")
         problems: list[str] = []
         if not unsafe.get("oversold"):
             problems.append(
@@ -325,10 +355,7 @@ class Demo:
         return 0
 
     def close(self) -> None:
-        self.children.stop_all()
-        if self.nodes is not None:
-            self.nodes.stop_all()
-            self.nodes = None
+        self.stage.close()
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from harness.locust import locust_env
-from loadtests.chaos import Check, check_sale, restart_delay, server_errors
+from loadtests.verdict import Check, check_sale, restart_delay, server_errors
 from shop.models import Order, Product, audit
 
 REPO = Path(__file__).resolve().parent.parent
