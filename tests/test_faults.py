@@ -28,6 +28,7 @@ import pytest
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from harness.held import lock_key, token_on, tokens
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
 from redlock_django import LockLostError, QuorumUnavailableError, Redlock
@@ -53,24 +54,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "redlock"
 DRIFT_FACTOR = 0.01
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
-
-
-def lock_key(resource: str) -> str:
-    return f"{PREFIX}:lock:{resource}"
-
-
-def token_on(node: Any, resource: str) -> bytes | None:
-    """Return the lock token on ``node``; a foreign string value reads as b"foreign"."""
-    with node.client() as client:
-        key = lock_key(resource)
-        if client.type(key) == b"string":
-            return b"foreign"
-        value: bytes | None = client.hget(key, "token")
-        return value
-
-
-def tokens(nodes: NodeSet, resource: str) -> list[bytes | None]:
-    return [token_on(node, resource) for node in nodes]
 
 
 def load_scripts(nodes: NodeSet) -> None:

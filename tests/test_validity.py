@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from harness.held import lock_key
 from harness.nodes import NodeSet
 from harness.processes import process_state
 from harness.proxy import FaultProxy
@@ -47,10 +48,6 @@ DRIFT_FACTOR = 0.01
 
 def drift(ttl: float, drift_factor: float = DRIFT_FACTOR) -> float:
     return ttl * drift_factor + 0.002
-
-
-def lock_key(resource: str) -> str:
-    return f"{PREFIX}:lock:{resource}"
 
 
 @pytest.fixture
