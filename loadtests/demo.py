@@ -134,7 +134,10 @@ class Stage:
         return [host for host, _, _ in self.servers]
 
     def close(self) -> None:
-        self.stage.close()
+        self.children.stop_all()
+        if self.nodes is not None:
+            self.nodes.stop_all()
+            self.nodes = None
 
 
 def prepare(stage: Stage, work_ms: int | None) -> None:
