@@ -1,7 +1,8 @@
 """``make chaos``: the flash sale under faults, and the invariants checked after it.
 
-Sets up what ``make demo`` sets up (its code is reused by import): five Redis
-nodes started here (this tool kills them, so ``REDLOCK_NODES`` is ignored), a
+Sets up what ``make demo`` sets up, with the demo's own steps (``prepare``,
+``start_redis``, ``start_servers`` on a ``Stage``, from ``loadtests.demo``): five
+Redis nodes started here (this tool kills them, so ``REDLOCK_NODES`` is ignored), a
 fresh database, one product on sale (1000 units), three gunicorn app servers with
 three sync workers each, plus one more that only serves the audit the timeline
 samples. Then one headless Locust run on the locked ``buy/`` endpoint, new
@@ -48,31 +49,36 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.locust import locust_command, locust_env
+from harness.processes import REPO, gunicorn_workers, log_tail
 from loadtests.demo import (
-    REPO,
-    Demo,
     DemoError,
     Progress,
-    get_json,
-    log_tail,
+    Server,
+    Stage,
+    prepare,
+    rel,
     run_manage,
     run_to_the_end,
     seed,
+    start_redis,
+    start_servers,
+)
+from loadtests.observers import Prober, Sampler
+from loadtests.verdict import (
+    Fault,
+    check_sale,
+    format_report,
+    restart_delay,
+    server_errors,
 )
 
-# Answers of the buy view that a sale under faults expects: not failures.
-EXPECTED_STATUSES = ("201", "409", "423", "503")
-# Extra time the killed node stays down beyond TTL + drift: process scheduling
-# on a loaded 2-core machine, and the time a grant's reply takes to arrive.
-RESTART_MARGIN = 1.0
 DEFAULT_TTL = 5.0
 # Lines of the app servers' logs worth counting in the report.
 APP_LOG_MARKERS = {
@@ -82,117 +88,9 @@ APP_LOG_MARKERS = {
     "did not answer and expire": "release missed nodes",
     "was sent SIGKILL": "workers killed",
 }
-DRIFT_FACTOR = 0.01  # the library's default REDLOCK["DRIFT_FACTOR"]
-
-
-def restart_delay(ttl: float, drift_factor: float = DRIFT_FACTOR) -> float:
-    """Return how long a killed node must stay down before it may come back empty.
-
-    A lock key it held expires at most ``ttl`` after it was set, and clocks may
-    drift by ``ttl * drift_factor``: after that no lock it granted can be alive.
-    """
-    return ttl + ttl * drift_factor + RESTART_MARGIN
-
-
-# -- the checker ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Check:
-    """One invariant, whether it held, and the figures that show it."""
-
-    name: str
-    ok: bool
-    detail: str
-
-
-def check_sale(
-    audit: dict[str, Any],
-    *,
-    double_orders: int = 0,
-    double_clicks: int = 0,
-    server_errors: dict[str, int] | None = None,
-    verify_exit_code: int | None = None,
-) -> list[Check]:
-    """Return the invariants of a finished sale, each held or violated.
-
-    ``audit`` is ``shop.models.audit`` of the product (what ``verify_sale``
-    prints); ``double_orders`` / ``double_clicks`` come from Locust;
-    ``server_errors`` counts unexpected answers (5xx other than a 503 with a JSON
-    reason) by kind.
-    """
-    initial = int(audit["initial_stock"])
-    stock = int(audit["stock"])
-    sold = int(audit["units_sold"])
-    orders = int(audit["orders"])
-    duplicates = int(audit["duplicate_customers"])
-    oversold = int(audit["oversold"])
-    checks = [
-        Check("sold <= stock", sold <= initial, f"{sold} sold of {initial}"),
-        Check("remaining stock >= 0", stock >= 0, f"{stock} left"),
-        Check(
-            "initial - remaining == units sold",
-            initial - stock == sold,
-            f"{initial} - {stock} = {initial - stock}, units sold {sold}",
-        ),
-        Check(
-            "units sold == orders (1 unit each)",
-            sold == orders,
-            f"{sold} units, {orders} orders",
-        ),
-        Check(
-            "no customer with two orders",
-            duplicates == 0,
-            f"{duplicates} duplicate customers",
-        ),
-        Check("audit: nothing oversold", oversold == 0, f"oversold {oversold}"),
-        Check(
-            "no double click made two orders",
-            double_orders == 0,
-            f"{double_orders} of {double_clicks} double clicks",
-        ),
-    ]
-    if verify_exit_code is not None:
-        checks.append(
-            Check(
-                "manage.py verify_sale",
-                verify_exit_code == 0,
-                f"exit code {verify_exit_code}",
-            )
-        )
-    if server_errors is not None:
-        total = sum(server_errors.values())
-        detail = ", ".join(f"{k}: {v}" for k, v in sorted(server_errors.items()))
-        checks.append(
-            Check("no server errors (5xx but 503)", total == 0, detail or "none")
-        )
-    return checks
-
-
-def server_errors(outcomes: dict[str, int]) -> dict[str, int]:
-    """Return the outcomes that are HTTP errors a sale does not expect (5xx...)."""
-    return {
-        kind: count
-        for kind, count in outcomes.items()
-        if kind[:3].isdigit() and kind[:3] not in EXPECTED_STATUSES
-    }
 
 
 # -- faults ---------------------------------------------------------------------
-
-
-@dataclass
-class Fault:
-    """One fault-log line: monotonic seconds since Locust started, and what."""
-
-    at: float
-    action: str
-    detail: str
-    orders: int | None = None  # orders in the database just before it
-
-    def line(self) -> str:
-        orders = "" if self.orders is None else f"  [orders so far: {self.orders}]"
-        return f"+{self.at:6.2f} s  {self.action:<14} {self.detail}{orders}"
 
 
 @dataclass
@@ -205,178 +103,55 @@ class Step:
     done: bool = False
 
 
-def gunicorn_workers(master: int) -> list[int]:
-    """Return the pids of the worker processes of a gunicorn master (Linux)."""
-    workers = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == master:  # fields: state, ppid, ...
-            workers.append(int(entry.name))
-    return sorted(workers)
-
-
-@dataclass
-class Sample:
-    at: float
-    orders: int
-    stock: int
-
-
-@dataclass
-class Sampler:
-    """Read the sale's audit about once a second, in a thread, for the timeline."""
-
-    url: str
-    started: float
-    samples: list[Sample] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                audit = get_json(self.url, timeout=3.0)
-                self.samples.append(
-                    Sample(
-                        time.monotonic() - self.started,
-                        int(audit["orders"]),
-                        int(audit["stock"]),
-                    )
-                )
-            self.stop.wait(1.0)
-
-    def latest(self) -> Sample | None:
-        return self.samples[-1] if self.samples else None
-
-    def orders_at(self, at: float) -> int | None:
-        before = [s for s in self.samples if s.at <= at]
-        return before[-1].orders if before else None
-
-
-@dataclass
-class Probe:
-    at: float
-    status: int
-    answer: str
-
-
-@dataclass
-class Prober:
-    """Buy once a second as a fresh customer and keep the answers, 503 reasons too.
-
-    Locust counts answers by status and error name only; these probes keep the
-    ``detail`` text, which says why a purchase was refused during a fault.
-    """
-
-    hosts: list[str]
-    product_id: int
-    started: float
-    probes: list[Probe] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        number = 0
-        while not self.stop.is_set():
-            host = self.hosts[number % len(self.hosts)]
-            number += 1
-            url = f"{host}/shop/products/{self.product_id}/buy/"
-            body = json.dumps({"customer": f"probe-{number}", "quantity": 1})
-            request = urllib.request.Request(
-                url,
-                data=body.encode(),
-                headers={"Content-Type": "application/json"},
-                method="POST",
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=15.0) as reply:
-                    status, text = reply.status, reply.read().decode()
-            except urllib.error.HTTPError as exc:
-                status, text = exc.code, exc.read().decode(errors="replace")
-            except OSError as exc:
-                status, text = 0, f"connection error: {exc}"
-            at = time.monotonic() - self.started
-            self.probes.append(Probe(round(at, 2), status, _answer(status, text)))
-            self.stop.wait(1.0)
-
-
-def _answer(status: int, text: str) -> str:
-    """Return the error and detail of a refusal, or "order" for a 201."""
-    if status == 201:
-        return "order"
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return text.strip()[:160]
-    if not isinstance(body, dict):
-        return text.strip()[:160]
-    return f"{body.get('error')}: {body.get('detail')}"[:200]
-
-
 # -- the run ----------------------------------------------------------------------
 
 
-class Chaos(Demo):
-    """The demo's setup, one Locust run, faults on a schedule, then the checks."""
+class Chaos:
+    """One Locust run on the demo's :class:`Stage`, faults on a schedule, the checks."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args)
-        self.workdir = Path(args.workdir).resolve()
+        self.args = args
+        workdir = Path(args.workdir).resolve()
+        self.stage = Stage(workdir, (REPO / args.reports_dir).resolve())
         self.faults: list[Fault] = []
         self.started = 0.0
         self.sampler: Sampler | None = None
         self.prober: Prober | None = None
-        self.monitor: tuple[str, subprocess.Popen[bytes], Path] | None = None
+        self.monitor: Server | None = None
         self.killed_at: float | None = None
         self.run_seconds = 0.0
         self.progress = Progress()
         self.steps: list[Step] = []
         self.delay = 0.0 if args.restart_immediately else restart_delay(args.ttl)
 
-    def start_redis(self) -> str:
-        # Always our own nodes, whatever REDLOCK_NODES says: they get killed.
-        sys.path.insert(0, str(REPO))
-        from tests._nodes import NodeSet
-
-        self.nodes = NodeSet.create(self.args.redis_nodes, self.workdir / "redis")
-        self.nodes.start_all()
-        self.env["REDLOCK_NODES"] = ",".join(self.nodes.urls)
-        ports = ", ".join(str(p) for p in self.nodes.ports)
-        return f"{len(self.nodes)} redis-server nodes on ports {ports}"
-
-    def start_servers(self, product_id: int) -> None:
+    def start_app_servers(self, product_id: int) -> None:
         # One more app server than Locust gets: it serves only the audit that the
         # timeline samples, so busy or killed buy workers do not delay the samples.
-        self.args.servers += 1
-        try:
-            super().start_servers(product_id)
-        finally:
-            self.args.servers -= 1
-        self.monitor = self.servers.pop()
-        self.hosts = [host for host, _, _ in self.servers]
+        args = self.args
+        start_servers(self.stage, args.servers + 1, args.workers, product_id)
+        self.monitor = self.stage.servers.pop()
+
+    def close(self) -> None:
+        self.stage.close()
 
     # -- fault actions -------------------------------------------------------------
 
     def node_label(self, index: int) -> str:
-        node = self.nodes[index]
+        node = self.stage.nodes[index]
         return f"redis node {index} (port {node.port}, pid {node.pid})"
 
     def pause_node(self, index: int) -> str:
         label = self.node_label(index)
-        self.nodes[index].pause()
+        self.stage.nodes[index].pause()
         return f"SIGSTOP {label}"
 
     def resume_node(self, index: int, since: float) -> str:
-        self.nodes[index].resume()
+        self.stage.nodes[index].resume()
         return f"SIGCONT redis node {index} (paused {self.now() - since:.2f} s)"
 
     def kill_node(self, index: int) -> str:
         label = self.node_label(index)
-        self.nodes[index].kill()
+        self.stage.nodes[index].kill()
         self.killed_at = self.now()
         # The delayed-restart rule counts from the moment the node is dead.
         for step in self.steps:
@@ -385,7 +160,7 @@ class Chaos(Demo):
         return f"SIGKILL {label}"
 
     def restart_node(self, index: int) -> str:
-        node = self.nodes[index]
+        node = self.stage.nodes[index]
         port = node.port
         down = self.now() - (self.killed_at or self.now())
         node.start()
@@ -402,7 +177,7 @@ class Chaos(Demo):
         )
 
     def kill_worker(self, server: int) -> str:
-        host, process, _ = self.servers[server]
+        host, process, _ = self.stage.servers[server]
         workers = gunicorn_workers(process.pid)
         if not workers:
             raise DemoError(f"app server {host} (pid {process.pid}) has no workers")
@@ -428,16 +203,16 @@ class Chaos(Demo):
     def kill_two(self, pair: tuple[int, int]) -> str:
         labels = [self.node_label(index) for index in pair]
         for index in pair:
-            self.nodes[index].kill()
+            self.stage.nodes[index].kill()
         return f"SIGKILL {' and '.join(labels)}: every lock rests on the 3 others"
 
     def flap(self, killed: int, pair: tuple[int, int], since: float) -> str:
-        node = self.nodes[killed]
+        node = self.stage.nodes[killed]
         old_pid = node.pid
         began = time.monotonic()
         node.kill()
         for index in (killed, *pair):
-            self.nodes[index].start()
+            self.stage.nodes[index].start()
         took = (time.monotonic() - began) * 1000
         return (
             f"SIGKILL redis node {killed} (pid {old_pid}), then restarted it and "
@@ -456,7 +231,9 @@ class Chaos(Demo):
         duration = float(args.duration)
         killed = args.kill_node
         spare = next(
-            i for i in range(len(self.nodes)) if i not in (killed, args.pause_node)
+            i
+            for i in range(len(self.stage.nodes))
+            if i not in (killed, args.pause_node)
         )
         pair = (args.pause_node, spare)
         steps = []
@@ -509,36 +286,32 @@ class Chaos(Demo):
         mode = "chaos-unsafe" if args.unsafe else "chaos"
         if args.restart_immediately:
             mode += "-restart-immediately"
-        html = self.reports / f"{mode}.html"
-        summary_path = self.workdir / f"locust-{mode}.json"
-        log = self.workdir / f"locust-{mode}.log"
+        html = self.stage.reports / f"{mode}.html"
+        summary_path = self.stage.workdir / f"locust-{mode}.json"
+        log = self.stage.workdir / f"locust-{mode}.log"
         scenario = "unsafe" if args.unsafe else "locked,double-click"
-        command = [
-            sys.executable, "-m", "locust",
-            "-f", str(REPO / "loadtests" / "locustfile.py"),
-            "--headless",
-            "-u", str(args.users),
-            "-r", str(args.spawn_rate),
-            "-t", f"{args.duration}s",
-            "--html", str(html),
-            "--only-summary",
-            "--app-hosts", ",".join(self.hosts),
-            "--product-id", str(product_id),
-            "--scenario", scenario,
-            "--expect-oversell", "no",
-            "--summary-json", str(summary_path),
-        ]  # fmt: skip
-        env = {k: v for k, v in self.env.items() if not k.startswith("LOCUST_")}
+        command = locust_command(
+            hosts=self.stage.hosts,
+            product_id=product_id,
+            scenario=scenario,
+            users=args.users,
+            spawn_rate=args.spawn_rate,
+            run_time=args.duration,
+            summary_json=summary_path,
+            html=html,
+            expect_oversell="no",
+        )
+        env = locust_env(self.stage.env)
         self.steps = steps = self.schedule()
         self.progress = Progress()
-        process = self.children.start(f"locust:{mode}", command, env, log)
+        process = self.stage.children.start(f"locust:{mode}", command, env, log)
         self.started = time.monotonic()
-        monitor = self.monitor[0] if self.monitor else self.hosts[0]
+        monitor = self.monitor[0] if self.monitor else self.stage.hosts[0]
         audit_url = f"{monitor}/shop/products/{product_id}/audit/"
         self.sampler = Sampler(audit_url, self.started)
         sampler = threading.Thread(target=self.sampler.run, daemon=True)
         sampler.start()
-        self.prober = Prober(self.hosts, product_id, self.started)
+        self.prober = Prober(self.stage.hosts, product_id, self.started)
         threading.Thread(target=self.prober.run, daemon=True).start()
         try:
             while process.poll() is None:
@@ -560,7 +333,7 @@ class Chaos(Demo):
                     process.wait(max(wait, 0.01))
         finally:
             if process.poll() is None:
-                self.children.stop(process)
+                self.stage.children.stop(process)
             self.sampler.stop.set()
             self.prober.stop.set()
             # Whatever the run did not get to, undo it: nodes resumed and running.
@@ -570,7 +343,7 @@ class Chaos(Demo):
         self.run_seconds = self.now()
         self.progress.done(
             f"  {mode} done in {self.run_seconds:.1f} s "
-            f"(Locust exit code {process.returncode}; log {self.rel(log)})"
+            f"(Locust exit code {process.returncode}; log {rel(log)})"
         )
         if not summary_path.exists():
             raise DemoError(f"Locust wrote no summary; {log}:\n{log_tail(log)}")
@@ -587,7 +360,7 @@ class Chaos(Demo):
                 *("--product", str(product_id)),
             ],
             cwd=REPO,
-            env=self.env,
+            env=self.stage.env,
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -605,7 +378,7 @@ class Chaos(Demo):
     def app_log_counts(self) -> dict[str, int]:
         """Count the notable lines the app servers logged (tracebacks, lost locks)."""
         counts = dict.fromkeys(APP_LOG_MARKERS.values(), 0)
-        for path in sorted(self.workdir.glob("app-*.log")):
+        for path in sorted(self.stage.workdir.glob("app-*.log")):
             for line in path.read_text(errors="replace").splitlines():
                 for marker, name in APP_LOG_MARKERS.items():
                     if marker in line:
@@ -654,24 +427,27 @@ class Chaos(Demo):
     def run(self) -> int:
         args = self.args
         began = time.monotonic()
-        self.prepare()
-        self.env["REDLOCK_TTL"] = str(args.ttl)
+        prepare(self.stage, args.work_ms)
+        self.stage.env["REDLOCK_TTL"] = str(args.ttl)
         if args.work_ms is None:
-            self.env.setdefault("SHOP_WORK_MS", "5")
-        print(f"[1/5] Redis: {self.start_redis()}", flush=True)
-        run_manage(["migrate", "--noinput"], self.env)
-        product_id = seed(self.env, args.stock)
-        database = self.env["DATABASE_URL"]
+            self.stage.env.setdefault("SHOP_WORK_MS", "5")
+        # Always its own nodes, whatever REDLOCK_NODES says: they get killed.
+        redis_nodes = start_redis(self.stage, args.redis_nodes, reuse_env=False)
+        print(f"[1/5] Redis: {redis_nodes}", flush=True)
+        run_manage(["migrate", "--noinput"], self.stage.env)
+        product_id = seed(self.stage.env, args.stock)
+        database = self.stage.env["DATABASE_URL"]
         shown = database if database.startswith("sqlite") else "DATABASE_URL"
         print(
             f"[2/5] database {shown}: product {product_id}, {args.stock} units",
             flush=True,
         )
-        self.start_servers(product_id)
-        ports = ", ".join(host.rsplit(":", 1)[1] for host in self.hosts)
+        self.start_app_servers(product_id)
+        hosts = self.stage.hosts
+        ports = ", ".join(host.rsplit(":", 1)[1] for host in hosts)
         monitor = self.monitor[0].rsplit(":", 1)[1] if self.monitor else "-"
         print(
-            f"[3/5] {len(self.hosts)} app servers (gunicorn, {args.workers} sync "
+            f"[3/5] {len(hosts)} app servers (gunicorn, {args.workers} sync "
             f"workers each) on ports {ports}, and one for the audit only on "
             f"{monitor}; lock TTL {args.ttl:g} s",
             flush=True,
@@ -707,9 +483,9 @@ class Chaos(Demo):
             "stock": args.stock,
             "ttl_s": args.ttl,
             "restart_delay_s": round(restart_delay(args.ttl), 2),
-            "servers": len(self.hosts),
+            "servers": len(self.stage.hosts),
             "workers": args.workers,
-            "redis_nodes": len(self.nodes),
+            "redis_nodes": len(self.stage.nodes),
             "setup_s": round(setup_seconds, 1),
             "run_s": round(self.run_seconds, 1),
             "requests": summary.get("requests"),
@@ -744,74 +520,10 @@ class Chaos(Demo):
         print()
         print(format_report(report))
         print(
-            f"Report: {self.rel(path)}; Locust: {self.rel(Path(report['html']))}; "
-            f"logs: {self.rel(self.workdir)}/"
+            f"Report: {rel(path)}; Locust: {rel(Path(report['html']))}; "
+            f"logs: {rel(self.stage.workdir)}/"
         )
         return 0 if report["ok"] else 1
-
-
-def format_report(report: dict[str, Any]) -> str:
-    """Return the human summary of a chaos run."""
-    audit = report["audit"]
-    outcomes = report["outcomes"]
-    lines = [
-        "=" * 78,
-        f"Flash sale under chaos: POST "
-        f"{'buy-unsafe/ (no lock)' if report['mode'] == 'unsafe' else 'buy/ (Redlock)'}"
-        f", {report['users']} users, {report['servers']} app servers x "
-        f"{report['workers']} workers, {report['redis_nodes']} Redis nodes, "
-        f"TTL {report['ttl_s']:g} s",
-        f"  time: setup {report['setup_s']} s, Locust {report['run_s']} s, "
-        f"total {report['total_s']} s (checks included)",
-        f"  requests {report['requests']} ({report['requests_per_s']}/s), "
-        f"Locust failures {report['failures']}, p50 {report['p50_ms']} ms, "
-        f"p99 {report['p99_ms']} ms",
-        "  answers: " + ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())),
-        f"  sale: {audit['initial_stock']} units, {audit['units_sold']} sold in "
-        f"{audit['orders']} orders, {audit['stock']} left, oversold "
-        f"{audit['oversold']}, duplicate customers {audit['duplicate_customers']}, "
-        f"double clicks {report['double_clicks']}",
-        "  sold out: "
-        + (
-            f"at +{report['sold_out_at_s']} s (first audit sample at stock 0)"
-            if report.get("sold_out_at_s") is not None
-            else "no (more --users or --duration, or less --stock, to sell out)"
-        ),
-        "  app server logs: "
-        + ", ".join(f"{k} {v}" for k, v in report.get("app_log", {}).items()),
-        "  faults (seconds since Locust started, monotonic):",
-    ]
-    lines += [f"    {Fault(**fault).line()}" for fault in report["faults"]]
-    if report.get("phases"):
-        lines.append("  orders between faults (from the audit, sampled each second):")
-        lines += [
-            f"    {p['from_s']:6.1f}-{p['to_s']:6.1f} s after {p['after']:<12} "
-            f"{p['orders']:>5} orders, {p['orders_per_s']:6.1f}/s"
-            for p in report["phases"]
-        ]
-        lines.append("  probe purchases (one a second, by phase; refusal reasons):")
-        for p in report["phases"]:
-            answers = "; ".join(f"{k} x{v}" for k, v in p["probes"].items())
-            lines.append(f"    after {p['after']:<12} {answers or '(none)'}")
-    lines.append("  invariants:")
-    for check in report["checks"]:
-        mark = "ok  " if check["ok"] else "FAIL"
-        lines.append(f"    {mark} {check['name']}: {check['detail']}")
-    if report["restart_immediately"]:
-        stale = outcomes.get("409 stale_lock", 0)
-        lines.append(
-            "  note: the delayed-restart rule was broken on purpose "
-            f"(--restart-immediately); {stale} purchases were refused as "
-            "409 stale_lock: a fenced write lost to a newer token or to a write "
-            "made after its read"
-        )
-    if report["ok"]:
-        lines.append("  RESULT: OK, every invariant held under the faults")
-    else:
-        failed = [c["name"] for c in report["checks"] if not c["ok"]]
-        lines.append(f"  RESULT: VIOLATED: {'; '.join(failed)}")
-    lines.append("=" * 78)
-    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -858,7 +570,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--summary-json", default="", help="also write the report here")
     args = parser.parse_args(argv)
-    args.stop_after_sold_out = None  # read by the demo's code, unused here
     problems = []
     if args.duration < 10:
         problems.append("--duration must be at least 10 s")

@@ -20,128 +20,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
-PREFERRED_PORTS = range(8001, 8100)
-STOP_TIMEOUT = 8.0
-
-
-def _die_with_parent() -> Any:
-    """Return a ``preexec_fn`` that kills the child when this process dies (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)
-    parent = os.getpid()
-
-    def hook() -> None:
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return hook
-
-
-def port_is_free(port: int) -> bool:
-    """Return whether a TCP port on the loopback address can be bound now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-        return True
-
-
-def pick_ports(count: int) -> list[int]:
-    """Return ``count`` free ports, 8001, 8002, ... when those are free."""
-    ports: list[int] = []
-    for port in PREFERRED_PORTS:
-        if len(ports) == count:
-            break
-        if port_is_free(port):
-            ports.append(port)
-    while len(ports) < count:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((HOST, 0))
-            port = sock.getsockname()[1]
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
-class Children:
-    """Child processes, each in its own process group, stopped as groups."""
-
-    def __init__(self) -> None:
-        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(
-        self, name: str, command: list[str], env: dict[str, str], log: Path
-    ) -> subprocess.Popen[bytes]:
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                command,
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                # Own session: a terminal's Ctrl-C reaches only this script,
-                # which then stops each group in order.
-                start_new_session=True,
-                preexec_fn=_die_with_parent(),
-            )
-        self.processes.append((name, process))
-        return process
-
-    def stop(self, process: subprocess.Popen[bytes]) -> None:
-        """SIGTERM the process's group, SIGKILL it after a while; reap it."""
-        group = process.pid  # start_new_session: the group id is the pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGTERM)
-        try:
-            process.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
-            process.wait(STOP_TIMEOUT)
-        # Workers left behind by a master that died first.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGKILL)
-
-    def stop_all(self) -> None:
-        for _, process in reversed(self.processes):
-            self.stop(process)
-        self.processes.clear()
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+from harness.locust import locust_command, locust_env
+from harness.nodes import NodeSet
+from harness.processes import HOST, REPO, Children, log_tail, pick_ports
 
 
 def run_manage(args: list[str], env: dict[str, str]) -> str:
@@ -215,115 +110,144 @@ class Progress:
         print(text, flush=True)
 
 
+Server = tuple[str, subprocess.Popen[bytes], Path]  # (http://host:port, master, log)
+
+
+@dataclass
+class Stage:
+    """What a run has set up: its environment, processes, nodes and app servers.
+
+    The steps below (:func:`prepare`, :func:`start_redis`, :func:`start_servers`)
+    fill it in; ``make demo`` and ``make chaos`` both run them, then drive their
+    own Locust runs against ``hosts``. :meth:`close` stops everything started.
+    """
+
+    workdir: Path
+    reports: Path
+    env: dict[str, str] = field(default_factory=dict)
+    children: Children = field(default_factory=Children)
+    nodes: Any = None  # a harness.nodes.NodeSet when the run started its own
+    servers: list[Server] = field(default_factory=list)
+
+    @property
+    def hosts(self) -> list[str]:
+        return [host for host, _, _ in self.servers]
+
+    def close(self) -> None:
+        self.children.stop_all()
+        if self.nodes is not None:
+            self.nodes.stop_all()
+            self.nodes = None
+
+
+def prepare(stage: Stage, work_ms: int | None) -> None:
+    """Empty the work directory and build the app servers' environment."""
+    if stage.workdir.exists():
+        shutil.rmtree(stage.workdir)
+    stage.workdir.mkdir(parents=True)
+    stage.reports.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        DJANGO_SETTINGS_MODULE="shop.settings",
+        PYTHONUNBUFFERED="1",
+        DEBUG=env.get("DEBUG", "0"),
+    )
+    if work_ms is not None:
+        env["SHOP_WORK_MS"] = str(work_ms)
+    if not env.get("DATABASE_URL"):
+        env["DATABASE_URL"] = f"sqlite:///{stage.workdir / 'shop.sqlite3'}"
+    stage.env = env
+
+
+def start_redis(stage: Stage, count: int, *, reuse_env: bool = True) -> str:
+    """Start ``count`` redis-server nodes, or use ``REDLOCK_NODES`` if allowed."""
+    if reuse_env and os.environ.get("REDLOCK_NODES"):
+        stage.env["REDLOCK_NODES"] = os.environ["REDLOCK_NODES"]
+        count = len([u for u in stage.env["REDLOCK_NODES"].split(",") if u])
+        return f"using REDLOCK_NODES ({count} nodes)"
+    stage.nodes = NodeSet.create(count, stage.workdir / "redis")
+    stage.nodes.start_all()
+    stage.env["REDLOCK_NODES"] = ",".join(stage.nodes.urls)
+    ports = ", ".join(str(p) for p in stage.nodes.ports)
+    return f"{len(stage.nodes)} redis-server nodes on ports {ports}"
+
+
+def start_servers(stage: Stage, count: int, workers: int, product_id: int) -> None:
+    """Start ``count`` gunicorn app servers and wait until each serves the product."""
+    started: list[Server] = []
+    for port in pick_ports(count):
+        log = stage.workdir / f"app-{port}.log"
+        command = [
+            sys.executable, "-m", "gunicorn", "shop.wsgi:application",
+            "--bind", f"{HOST}:{port}",
+            "--workers", str(workers),
+            "--worker-class", "sync",
+            "--backlog", "2048",
+            "--timeout", "30",
+            "--graceful-timeout", "3",
+            "--log-level", "warning",
+            "--error-logfile", "-",
+        ]  # fmt: skip
+        process = stage.children.start(f"app:{port}", command, stage.env, log)
+        started.append((f"http://{HOST}:{port}", process, log))
+    stage.servers += started
+    deadline = time.monotonic() + 45.0
+    for host, process, log in started:
+        url = f"{host}/shop/products/{product_id}/"
+        while True:
+            if process.poll() is not None:
+                raise DemoError(
+                    f"the app server {host} exited ({process.returncode}); "
+                    f"{log}:\n{log_tail(log)}"
+                )
+            try:
+                get_json(url, timeout=1.0)
+                break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise DemoError(f"{url} did not answer; {log}:\n{log_tail(log)}")
+            time.sleep(0.2)
+
+
+def rel(path: Path) -> str:
+    """Return ``path`` relative to the current directory when it is below it."""
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
 class Demo:
+    """The two Locust runs, unlocked then locked, on one :class:`Stage`."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.workdir = REPO / ".demo"
-        self.reports = (REPO / args.reports_dir).resolve()
-        self.children = Children()
-        self.nodes: Any = None
-        self.env: dict[str, str] = {}
-        self.hosts: list[str] = []
-        self.servers: list[tuple[str, subprocess.Popen[bytes], Path]] = []
-
-    # -- setup ---------------------------------------------------------------
-
-    def prepare(self) -> None:
-        if self.workdir.exists():
-            shutil.rmtree(self.workdir)
-        self.workdir.mkdir(parents=True)
-        self.reports.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        env.update(
-            DJANGO_SETTINGS_MODULE="shop.settings",
-            PYTHONUNBUFFERED="1",
-            DEBUG=env.get("DEBUG", "0"),
-        )
-        if self.args.work_ms is not None:
-            env["SHOP_WORK_MS"] = str(self.args.work_ms)
-        if not env.get("DATABASE_URL"):
-            env["DATABASE_URL"] = f"sqlite:///{self.workdir / 'shop.sqlite3'}"
-        self.env = env
-
-    def start_redis(self) -> str:
-        if os.environ.get("REDLOCK_NODES"):
-            self.env["REDLOCK_NODES"] = os.environ["REDLOCK_NODES"]
-            count = len([u for u in self.env["REDLOCK_NODES"].split(",") if u])
-            return f"using REDLOCK_NODES ({count} nodes)"
-        sys.path.insert(0, str(REPO))
-        from tests._nodes import NodeSet
-
-        self.nodes = NodeSet.create(self.args.redis_nodes, self.workdir / "redis")
-        self.nodes.start_all()
-        self.env["REDLOCK_NODES"] = ",".join(self.nodes.urls)
-        ports = ", ".join(str(p) for p in self.nodes.ports)
-        return f"{len(self.nodes)} redis-server nodes on ports {ports}"
-
-    def start_servers(self, product_id: int) -> None:
-        ports = pick_ports(self.args.servers)
-        for port in ports:
-            log = self.workdir / f"app-{port}.log"
-            command = [
-                sys.executable, "-m", "gunicorn", "shop.wsgi:application",
-                "--bind", f"{HOST}:{port}",
-                "--workers", str(self.args.workers),
-                "--worker-class", "sync",
-                "--backlog", "2048",
-                "--timeout", "30",
-                "--graceful-timeout", "3",
-                "--log-level", "warning",
-                "--error-logfile", "-",
-            ]  # fmt: skip
-            process = self.children.start(f"app:{port}", command, self.env, log)
-            self.servers.append((f"http://{HOST}:{port}", process, log))
-        self.hosts = [host for host, _, _ in self.servers]
-        deadline = time.monotonic() + 45.0
-        for host, process, log in self.servers:
-            url = f"{host}/shop/products/{product_id}/"
-            while True:
-                if process.poll() is not None:
-                    raise DemoError(
-                        f"the app server {host} exited ({process.returncode}); "
-                        f"{log}:\n{log_tail(log)}"
-                    )
-                try:
-                    get_json(url, timeout=1.0)
-                    break
-                except (OSError, ValueError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise DemoError(f"{url} did not answer; {log}:\n{log_tail(log)}")
-                time.sleep(0.2)
+        self.stage = Stage(REPO / ".demo", (REPO / args.reports_dir).resolve())
 
     # -- a Locust run ----------------------------------------------------------
 
     def run_locust(self, mode: str, product_id: int) -> dict[str, Any]:
         args = self.args
-        html = self.reports / f"{mode}.html"
-        summary_path = self.reports / f"{mode}.json"
+        html = self.stage.reports / f"{mode}.html"
+        summary_path = self.stage.reports / f"{mode}.json"
         summary_path.unlink(missing_ok=True)
-        log = self.workdir / f"locust-{mode}.log"
-        command = [
-            sys.executable, "-m", "locust",
-            "-f", str(REPO / "loadtests" / "locustfile.py"),
-            "--headless",
-            "-u", str(args.users),
-            "-r", str(args.spawn_rate),
-            "-t", f"{args.run_time}s",
-            "--html", str(html),
-            "--only-summary",
-            "--app-hosts", ",".join(self.hosts),
-            "--product-id", str(product_id),
-            "--scenario", mode,
-            "--summary-json", str(summary_path),
-        ]  # fmt: skip
-        if args.stop_after_sold_out is not None:
-            command += ["--stop-after-sold-out", str(args.stop_after_sold_out)]
-        env = {k: v for k, v in self.env.items() if not k.startswith("LOCUST_")}
-        process = self.children.start(f"locust:{mode}", command, env, log)
+        log = self.stage.workdir / f"locust-{mode}.log"
+        command = locust_command(
+            hosts=self.stage.hosts,
+            product_id=product_id,
+            scenario=mode,
+            users=args.users,
+            spawn_rate=args.spawn_rate,
+            run_time=args.run_time,
+            summary_json=summary_path,
+            html=html,
+            stop_after_sold_out=args.stop_after_sold_out,
+        )
+        env = locust_env(self.stage.env)
+        process = self.stage.children.start(f"locust:{mode}", command, env, log)
         progress = Progress()
         started = time.monotonic()
-        audit_url = f"{self.hosts[0]}/shop/products/{product_id}/audit/"
+        audit_url = f"{self.stage.hosts[0]}/shop/products/{product_id}/audit/"
         try:
             while process.poll() is None:
                 elapsed = time.monotonic() - started
@@ -343,10 +267,10 @@ class Demo:
                     process.wait(1.0)
         finally:
             if process.poll() is None:
-                self.children.stop(process)
+                self.stage.children.stop(process)
         progress.done(
             f"  {mode:<7} done in {time.monotonic() - started:.0f} s "
-            f"(Locust exit code {process.returncode}; log {self.rel(log)})"
+            f"(Locust exit code {process.returncode}; log {rel(log)})"
         )
         if not summary_path.exists():
             raise DemoError(
@@ -355,32 +279,27 @@ class Demo:
         summary: dict[str, Any] = json.loads(summary_path.read_text())
         summary["mode"] = mode
         summary["locust_exit_code"] = process.returncode
-        summary["verify_sale_exit_code"] = verify(self.env, product_id)
+        summary["verify_sale_exit_code"] = verify(self.stage.env, product_id)
         summary["html"] = str(html)
         return summary
-
-    @staticmethod
-    def rel(path: Path) -> str:
-        with contextlib.suppress(ValueError):
-            return str(path.relative_to(Path.cwd()))
-        return str(path)
 
     # -- the whole demo ----------------------------------------------------------
 
     def run(self) -> int:
         args = self.args
-        self.prepare()
-        print(f"[1/6] Redis: {self.start_redis()}", flush=True)
-        database = self.env["DATABASE_URL"]
+        prepare(self.stage, args.work_ms)
+        print(f"[1/6] Redis: {start_redis(self.stage, args.redis_nodes)}", flush=True)
+        database = self.stage.env["DATABASE_URL"]
         shown = database if database.startswith("sqlite") else "DATABASE_URL"
         print(f"[2/6] database: {shown}: migrating", flush=True)
-        run_manage(["migrate", "--noinput"], self.env)
-        product_id = seed(self.env, args.stock)
+        run_manage(["migrate", "--noinput"], self.stage.env)
+        product_id = seed(self.stage.env, args.stock)
         print(f"[3/6] seeded product {product_id} with {args.stock} units", flush=True)
-        self.start_servers(product_id)
-        ports = ", ".join(host.rsplit(":", 1)[1] for host in self.hosts)
+        start_servers(self.stage, args.servers, args.workers, product_id)
+        hosts = self.stage.hosts
+        ports = ", ".join(host.rsplit(":", 1)[1] for host in hosts)
         print(
-            f"[4/6] {len(self.hosts)} app servers (gunicorn, {args.workers} workers "
+            f"[4/6] {len(hosts)} app servers (gunicorn, {args.workers} workers "
             f"each) on ports {ports}",
             flush=True,
         )
@@ -390,7 +309,7 @@ class Demo:
             flush=True,
         )
         unsafe = self.run_locust("unsafe", product_id)
-        product_id = seed(self.env, args.stock)
+        product_id = seed(self.stage.env, args.stock)
         print(
             f"[6/6] re-seeded {args.stock} units; Locust on POST buy/ (Redlock): "
             f"{args.users} users, {args.run_time} s",
@@ -404,14 +323,14 @@ class Demo:
         print(format_table([unsafe, locked]))
         print()
         for summary in (unsafe, locked):
-            html = self.rel(Path(summary["html"]))
+            html = rel(Path(summary["html"]))
             print(f"Locust report ({summary['endpoint']}): {html}")
         print(
             "manage.py verify_sale exit codes (1 = oversold): "
             f"unsafe {unsafe['verify_sale_exit_code']}, "
             f"locked {locked['verify_sale_exit_code']}"
         )
-        print(f"Logs: {self.rel(self.workdir)}/")
+        print(f"Logs: {rel(self.stage.workdir)}/")
         problems: list[str] = []
         if not unsafe.get("oversold"):
             problems.append(
@@ -439,10 +358,7 @@ class Demo:
         return 0
 
     def close(self) -> None:
-        self.children.stop_all()
-        if self.nodes is not None:
-            self.nodes.stop_all()
-            self.nodes = None
+        self.stage.close()
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

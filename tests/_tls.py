@@ -4,7 +4,7 @@
 127.0.0.1 and localhost, a client certificate for mutual TLS, and a second,
 unrelated CA (the "wrong CA"), all with the ``openssl`` command-line tool: nothing
 is checked in, and every certificate expires in two days. ``TLSRedisNode`` is a
-:class:`tests._nodes.RedisNode` that listens on TLS only (``--port 0``), so a
+:class:`harness.nodes.RedisNode` that listens on TLS only (``--port 0``), so a
 plaintext client has nothing to fall back to.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from tests._nodes import HOST, RedisNode
+from harness.nodes import HOST, RedisNode
 
 __all__ = [
     "Certificates",

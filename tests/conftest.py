@@ -5,21 +5,24 @@
 - ``redlock_settings``: ``settings.REDLOCK`` pointed at ``nodes``, with short timings.
 - ``make_nodes``: a factory for extra servers (say 3 or 7) owned by one test.
 - ``hold``: acquire locks for a test, released (if still held) at its end.
+- ``api`` / ``other``: a lock owner driving the sync or the async API
+  (parametrized ``sync``/``async``, ``tests/_api.py``), and a second one of its kind.
 - ``matrix`` / ``matrix_recorder``: the fault-matrix figures (``tests/_matrix.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
 from redlock_django import LockError, Redlock
+from tests._api import SyncAPI, make_api
 from tests._matrix import matrix, matrix_recorder  # noqa: F401  (fixtures)
-from tests._nodes import NodeSet
 
 NODE_COUNT = 5
 
@@ -108,3 +111,20 @@ def hold(redlock_settings: dict[str, Any]) -> Iterator[Callable[..., Redlock]]:
         # Some tests force-release or delete the keys: the lock may be gone.
         with contextlib.suppress(LockError):
             lock.release()
+
+
+@pytest.fixture(params=["sync", "async"])
+async def api(
+    request: pytest.FixtureRequest, redlock_settings: dict[str, Any]
+) -> AsyncIterator[SyncAPI]:
+    owner = make_api(request.param)
+    yield owner
+    await owner.aclose()
+
+
+@pytest.fixture
+async def other(api: SyncAPI) -> AsyncIterator[SyncAPI]:
+    """A second owner of the same kind (another thread, or another task)."""
+    owner = make_api(api.mode)
+    yield owner
+    await owner.aclose()

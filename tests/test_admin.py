@@ -26,9 +26,10 @@ from django.contrib.contenttypes.models import ContentType
 from django.test import Client
 from django.urls import reverse
 
+from harness.held import held_on, lock_key, token_on
+from harness.nodes import NodeSet, RedisNode
 from redlock_django import LockLostError, Redlock
 from redlock_django.models import HeldLock
-from tests._nodes import NodeSet, RedisNode
 
 pytestmark = pytest.mark.django_db
 
@@ -74,22 +75,8 @@ def login(user: Any, **kwargs: Any) -> Client:
     return client
 
 
-def key(resource: str) -> str:
-    return f"redlock:lock:{resource}"
-
-
 def digest(token: bytes) -> str:
     return hashlib.sha1(token).hexdigest()[:12]
-
-
-def token_on(node: RedisNode, resource: str) -> bytes | None:
-    value = node.client().hget(key(resource), "token")
-    assert value is None or isinstance(value, bytes)
-    return value
-
-
-def held_on(nodes: Iterable[RedisNode], resource: str) -> int:
-    return sum(node.client().exists(key(resource)) for node in nodes)
 
 
 def plant(
@@ -113,8 +100,8 @@ def plant(
     for node in nodes:
         pipe = node.client().pipeline(transaction=False)
         for count, resource in enumerate(resources, 1):
-            pipe.hset(key(resource), mapping={"token": token, "meta": meta})
-            pipe.pexpire(key(resource), ttl_ms)
+            pipe.hset(lock_key(resource), mapping={"token": token, "meta": meta})
+            pipe.pexpire(lock_key(resource), ttl_ms)
             if count % 2000 == 0:
                 pipe.execute()
         pipe.execute()
@@ -227,7 +214,7 @@ def test_lock_held_on_a_minority_of_nodes_is_flagged(
     # Its holder finds the keys gone from a majority: the lock was lost.
     with pytest.raises(LockLostError), Redlock("leftover"), Redlock("healthy"):
         for node in nodes[:3]:
-            node.client().delete(key("leftover"))
+            node.client().delete(lock_key("leftover"))
         html = admin_client.get(LIST_URL).content.decode()
 
     found = rows(html)

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
+from harness.nodes import NodeSet
 from redlock_django import Redlock
-from tests._nodes import NodeSet
 
 
 @dataclass(frozen=True)

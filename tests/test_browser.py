@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
+from harness.held import lock_key
+from harness.nodes import NodeSet
 from redlock_django import LockLostError, Redlock
-from tests._nodes import NodeSet
 
 LIST_URL = "/admin/redlock_django/heldlock/"
 CHROMIUM_FLAGS = (
@@ -110,10 +111,10 @@ def _plant_leftover(nodes: NodeSet, resource: str) -> None:
     )
     for node in nodes[3:]:
         node.client().hset(
-            f"redlock:lock:{resource}",
+            lock_key(resource),
             mapping={"token": "leftover-token", "meta": meta},
         )
-        node.client().pexpire(f"redlock:lock:{resource}", 30_000)
+        node.client().pexpire(lock_key(resource), 30_000)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -195,8 +196,8 @@ def test_admin_sees_and_force_releases_a_held_lock_in_chromium(
         ]
         assert listed == ["inventory:sku-77", "report:nightly"]
         for node in nodes:
-            assert not node.client().exists("redlock:lock:checkout:order-1042")
-            assert node.client().exists("redlock:lock:report:nightly")
+            assert not node.client().exists(lock_key("checkout:order-1042"))
+            assert node.client().exists(lock_key("report:nightly"))
     finally:
         other.release()
         if held.owned():

@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
 from redlock_django import (
     LockContentionError,
     QuorumUnavailableError,
     Redlock,
 )
-from tests._nodes import NodeSet
 
 pytestmark = pytest.mark.timeout(60)
 

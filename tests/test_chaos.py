@@ -24,7 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from loadtests.chaos import Check, check_sale, restart_delay, server_errors
+from harness.locust import locust_env
+from loadtests.verdict import Check, check_sale, restart_delay, server_errors
 from shop.models import Order, Product, audit
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,7 +60,7 @@ def test_flash_sale_keeps_every_invariant_under_paused_killed_nodes_and_a_killed
 ) -> None:
     """A short chaos run: all five faults happen, nothing oversold, exit code 0."""
     summary_path = tmp_path / "chaos.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCUST_")}
+    env = locust_env(os.environ)
     env.update(DATABASE_URL=chaos_database, DEBUG="0")
     env.pop("REDLOCK_NODES", None)
     command = [

@@ -18,11 +18,11 @@ from django.core import checks as django_checks
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
+from harness.nodes import RedisNode
+from harness.proxy import FaultProxy
 from redlock_django import checks
 from redlock_django.apps import RedlockConfig
 from redlock_django.checks import check_nodes, check_settings
-from tests._nodes import RedisNode
-from tests._proxy import FaultProxy
 
 GOOD = {
     "NODES": [f"redis://10.0.0.{i}:6379/0" for i in range(1, 6)],

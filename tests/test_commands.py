@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command, execute_from_command_line
 
+from harness.held import lock_key
+from harness.nodes import NodeSet
 from redlock_django import LockError, Redlock
 from redlock_django.management.commands.redlock import JSON_KEYS, Command
-from tests._nodes import NodeSet
 
 PASSWORD = "s3cret-pass"
 LOGGER = "redlock_django.management.commands.redlock"
@@ -50,10 +51,6 @@ def run_failing(*args: str, **options: Any) -> tuple[CommandError, str, str]:
     with pytest.raises(CommandError) as info:
         call_command("redlock", *args, stdout=out, stderr=err, **options)
     return info.value, out.getvalue(), err.getvalue()
-
-
-def key(resource: str) -> str:
-    return f"redlock:lock:{resource}"
 
 
 # --- status -------------------------------------------------------------------------
@@ -136,7 +133,7 @@ def test_list_shows_held_locks_with_holder_and_flags_a_minority(
     hold("order:2")
     for node in nodes[:3]:
         with node.client() as client:
-            client.delete(key("order:2"))
+            client.delete(lock_key("order:2"))
     out, err = run("list")
     assert err == ""
     lines = out.splitlines()
@@ -155,7 +152,7 @@ def test_list_json_is_an_array_with_stable_keys(
 ) -> None:
     """--json prints a JSON array; every object has the documented keys, in order."""
     lock = hold("job:7", label="nightly", fencing=True)
-    nodes[0].clog(key("job:7"))  # node 0 now holds a foreign value instead
+    nodes[0].clog(lock_key("job:7"))  # node 0 now holds a foreign value instead
     out, err = run("list", "--json")
     assert err == ""
     (row,) = json.loads(out)

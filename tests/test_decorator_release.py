@@ -31,17 +31,17 @@ from django.test import Client
 from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
 
-from loadtests.demo import REPO, Children
+from harness.held import lock_key
+from harness.nodes import free_port
+from harness.processes import REPO, Children
 from redlock_django import Redlock
 from redlock_django.decorators import distributed_lock
-from tests._nodes import free_port
 
 pytestmark = pytest.mark.urls(__name__)
 
 #: Short enough that a lock left to its lease would show within a test, and the
 #: watchdog extends it every fraction of it.
 TTL = 1.0
-KEY = "redlock:lock:{}"
 
 
 def _violate_deferred_foreign_key() -> None:
@@ -134,7 +134,7 @@ def atomic_requests(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _keys(nodes: Any, resource: str) -> list[bool]:
-    return [bool(node.client().exists(KEY.format(resource))) for node in nodes]
+    return [bool(node.client().exists(lock_key(resource))) for node in nodes]
 
 
 def _watchdogs(resource: str) -> list[threading.Thread]:

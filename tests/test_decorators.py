@@ -28,6 +28,7 @@ from django.urls import include, path, re_path
 from django.utils.decorators import method_decorator
 from django.views import View
 
+from harness.held import lock_key, tokens
 from redlock_django import Redlock
 from redlock_django.decorators import (
     E020,
@@ -38,7 +39,6 @@ from redlock_django.decorators import (
 from tests import views
 from tests.models import Counter
 
-KEY = "redlock:lock:{}"
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 
 SYNC_URLS = [
@@ -63,10 +63,6 @@ def _clean_views() -> Iterator[None]:
     yield
     views.PROBES.clear()
     views.AFTER_VIEW.clear()
-
-
-def tokens(nodes: Any, resource: str) -> list[bytes | None]:
-    return [node.client().hget(KEY.format(resource), "token") for node in nodes]
 
 
 def lock_keys(nodes: Any) -> set[bytes]:
@@ -280,7 +276,7 @@ async def test_async_view_runs_holding_the_lock_and_releases_it(
     holders: list[tuple[str, str]] = []
 
     def holder(request: HttpRequest) -> None:
-        meta = json.loads(nodes[0].client().hget(KEY.format("item:a"), "meta"))
+        meta = json.loads(nodes[0].client().hget(lock_key("item:a"), "meta"))
         task = asyncio.current_task()
         holders.append((meta["holder"], task.get_name() if task else "no task"))
 
@@ -326,8 +322,7 @@ def test_label_is_the_method_and_path_without_the_query_string(
     metas: list[dict[str, Any]] = []
     views.PROBES.append(
         lambda request: metas.extend(
-            json.loads(node.client().hget(KEY.format("item:q"), "meta"))
-            for node in nodes
+            json.loads(node.client().hget(lock_key("item:q"), "meta")) for node in nodes
         )
     )
     response = client.post("/views/sync/q/?token=s3cret")
@@ -343,9 +338,7 @@ def test_label_option_replaces_the_default(
     metas: list[str] = []
 
     def view(request: HttpRequest) -> HttpResponse:
-        metas.append(
-            json.loads(nodes[0].client().hget(KEY.format("x"), "meta"))["label"]
-        )
+        metas.append(json.loads(nodes[0].client().hget(lock_key("x"), "meta"))["label"])
         return HttpResponse("ran")
 
     distributed_lock("x", label="nightly export")(view)(rf.get("/"))

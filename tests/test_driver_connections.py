@@ -23,13 +23,14 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
+from harness.processes import process_state
+from harness.proxy import FaultProxy
 from redlock_django import aio, sync
 from redlock_django import nodes as node_pools
 from redlock_django.conf import get_settings
 from redlock_django.protocol import Fanout, NodeReply
 from redlock_django.scripts import Script
-from tests._nodes import NodeSet, process_state
-from tests._proxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
+from harness.held import lock_key
+from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
 from redlock_django import LockLostError, Redlock
-from tests._nodes import NodeSet
-from tests._proxy import FaultProxy
 
-KEY = "redlock:lock:{}"
 TTL = 1.2
 #: The watchdog's EXTEND carries the TTL in ms as a bulk string of its own.
 WATCHDOG_EXTEND = b"$4\r\n1200\r\n"
@@ -54,7 +54,7 @@ def proxies(
 def majority_pttl(nodes: NodeSet, resource: str) -> float:
     """Seconds until fewer than a majority of nodes hold the key (0 if they don't)."""
     left = sorted(
-        (max(0, node.client().pttl(KEY.format(resource))) for node in nodes),
+        (max(0, node.client().pttl(lock_key(resource))) for node in nodes),
         reverse=True,
     )
     return left[len(nodes) // 2] / 1000
@@ -159,7 +159,7 @@ def test_a_late_older_extension_never_replaces_a_later_lease(nodes: NodeSet) -> 
     from redlock_django.scripts import EXTEND_SCRIPT
 
     client = nodes[0].client()
-    key = KEY.format("late-extension")
+    key = lock_key("late-extension")
     client.hset(key, mapping={"token": "tok.1"})
     client.pexpire(key, 5000)
 

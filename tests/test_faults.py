@@ -1,7 +1,7 @@
 """Faults of the reliability matrix (issue 6) not covered elsewhere, injected for real.
 
 Each test names its scenario number in ``docs/reliability.md``. Lost replies come
-from ``tests/_proxy.py`` proxies, crashes from SIGKILL of real ``redis-server``s and
+from ``harness/proxy.py`` proxies, crashes from SIGKILL of real ``redis-server``s and
 of holder subprocesses (``tests/_holders.py``), script-cache loss from ``SCRIPT
 FLUSH``, and wall-clock jumps from libfaketime in a subprocess.
 """
@@ -28,6 +28,9 @@ import pytest
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from harness.held import lock_key, token_on, tokens
+from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
 from redlock_django import LockLostError, QuorumUnavailableError, Redlock
 from redlock_django.scripts import (
     ACQUIRE_SCRIPT,
@@ -44,8 +47,6 @@ from tests._matrix import (
     scenario_test_id,
     unexpected_keys_without_ttl,
 )
-from tests._nodes import NodeSet
-from tests._proxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,24 +54,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "redlock"
 DRIFT_FACTOR = 0.01
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
-
-
-def lock_key(resource: str) -> str:
-    return f"{PREFIX}:lock:{resource}"
-
-
-def token_on(node: Any, resource: str) -> bytes | None:
-    """Return the lock token on ``node``; a foreign string value reads as b"foreign"."""
-    with node.client() as client:
-        key = lock_key(resource)
-        if client.type(key) == b"string":
-            return b"foreign"
-        value: bytes | None = client.hget(key, "token")
-        return value
-
-
-def tokens(nodes: NodeSet, resource: str) -> list[bytes | None]:
-    return [token_on(node, resource) for node in nodes]
 
 
 def load_scripts(nodes: NodeSet) -> None:
@@ -1195,7 +1178,7 @@ def _child_acquire_loop() -> None:
 
 
 def wait_for_state(pid: int, state: str, timeout: float = 5.0) -> None:
-    from tests._nodes import process_state
+    from harness.processes import process_state
 
     deadline = time.monotonic() + timeout
     while process_state(pid) != state:

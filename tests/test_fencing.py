@@ -21,13 +21,14 @@ from typing import Any
 import pytest
 import redis
 
+from harness.held import fence_key, lock_key
+from harness.nodes import NodeSet, RedisNode
+from harness.proxy import FaultProxy
 from redlock_django import LockError, QuorumUnavailableError, Redlock
-from tests._nodes import NodeSet, RedisNode
-from tests._proxy import FaultProxy
 
 RESOURCE = "fenced"
-LOCK_KEY = f"redlock:lock:{RESOURCE}"
-FENCE_KEY = f"redlock:fence:{RESOURCE}"
+LOCK_KEY = lock_key(RESOURCE)
+FENCE_KEY = fence_key(RESOURCE)
 QUORUM = 3
 
 #: Every majority of five nodes: all 3-, 4- and 5-subsets.

@@ -15,14 +15,9 @@ from typing import Any
 import pytest
 import redis
 
-from tests import _nodes
-from tests._nodes import (
-    NodeSet,
-    RedisNode,
-    RedisNodeError,
-    find_redis_server,
-    process_state,
-)
+from harness import nodes as node_module
+from harness.nodes import NodeSet, RedisNode, RedisNodeError, find_redis_server
+from harness.processes import process_state
 
 
 def test_five_nodes_listen_on_distinct_ports_and_answer_ping(nodes: NodeSet) -> None:
@@ -203,9 +198,9 @@ def test_auto_port_collision_moves_to_another_port(
         squatter.listen()
         taken = squatter.getsockname()[1]
         ports = iter([taken])
-        real_free_port = _nodes.free_port
+        real_free_port = node_module.free_port
         monkeypatch.setattr(
-            _nodes, "free_port", lambda: next(ports, None) or real_free_port()
+            node_module, "free_port", lambda: next(ports, None) or real_free_port()
         )
 
         node = RedisNode(tmp_path / "node")
@@ -267,15 +262,16 @@ def test_find_redis_server_explains_how_to_install_one(
 def test_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     """A test process killed with SIGKILL takes its redis-servers with it."""
     script = (
-        "import os, sys; sys.path.insert(0, sys.argv[1])\n"
-        "from tests._nodes import RedisNode\n"
-        "node = RedisNode(sys.argv[2]); node.start(); node.pause()\n"
+        "import os, sys\n"
+        "from harness.nodes import RedisNode\n"
+        "node = RedisNode(sys.argv[1]); node.start(); node.pause()\n"
         "print(node.pid, flush=True)\n"
         "os.kill(os.getpid(), 9)\n"
     )
     root = Path(__file__).resolve().parent.parent
     result = subprocess.run(
-        [sys.executable, "-c", script, str(root), str(tmp_path / "orphan")],
+        [sys.executable, "-c", script, str(tmp_path / "orphan")],
+        cwd=root,
         capture_output=True,
         text=True,
         timeout=30,

@@ -18,16 +18,9 @@ from typing import Any
 
 import pytest
 
+from harness.held import held_on, lock_key
+from harness.nodes import NodeSet
 from redlock_django import LockContentionError, LockLostError, Redlock, signals
-from tests._nodes import NodeSet
-
-KEY = "redlock:lock:{}"
-
-
-def _on_nodes(nodes: NodeSet, resource: str) -> int:
-    """How many nodes hold a key for ``resource`` right now."""
-    return sum(1 for node in nodes if node.client().exists(KEY.format(resource)))
-
 
 # A forked child starts with none of its parent's holds.
 
@@ -62,8 +55,8 @@ def test_a_forked_child_does_not_inherit_its_parents_hold(
         assert outcome == ("acquired", False, 0)
         # The parent's hold is untouched by the child.
         assert lock.owned() and lock.depth == 1
-        assert _on_nodes(nodes, "forked") == len(nodes)
-    assert _on_nodes(nodes, "forked") == 0
+        assert held_on(nodes, "forked") == len(nodes)
+    assert held_on(nodes, "forked") == 0
 
 
 def test_os_fork_inside_a_hold_gives_the_child_no_hold_and_no_release(
@@ -97,8 +90,8 @@ def test_os_fork_inside_a_hold_gives_the_child_no_hold_and_no_release(
         assert status == 0
         assert code == b"\x00", f"child outcome {code!r}"
         assert lock.owned()
-        assert _on_nodes(nodes, "bare-fork") == len(nodes)
-    assert _on_nodes(nodes, "bare-fork") == 0
+        assert held_on(nodes, "bare-fork") == len(nodes)
+    assert held_on(nodes, "bare-fork") == 0
 
 
 # An expired hold does not poison its thread or task.
@@ -122,13 +115,13 @@ def test_an_expired_hold_is_dropped_and_the_next_acquire_proceeds(
         forgotten = Redlock("poison", ttl=0.3)
         assert forgotten.acquire(blocking=False)
         time.sleep(0.45)  # the lease has run out; nobody released it
-        assert _on_nodes(nodes, "poison") == 0
+        assert held_on(nodes, "poison") == 0
         with caplog.at_level(logging.WARNING, logger="redlock_django"):
             for _ in range(3):
                 with Redlock("poison", ttl=5) as lock:
                     assert lock.owned() and lock.depth == 1
-                    assert _on_nodes(nodes, "poison") == len(nodes)
-                assert _on_nodes(nodes, "poison") == 0
+                    assert held_on(nodes, "poison") == len(nodes)
+                assert held_on(nodes, "poison") == 0
     finally:
         signals.lock_lost.disconnect(receiver)
     assert len(lost) == 1 and lost[0]["resource"] == "poison"
@@ -148,8 +141,8 @@ async def test_an_expired_hold_does_not_poison_its_task(
     await asyncio.sleep(0.45)
     async with Redlock("apoison", ttl=5) as lock:
         assert lock.owned()
-        assert _on_nodes(nodes, "apoison") == len(nodes)
-    assert _on_nodes(nodes, "apoison") == 0
+        assert held_on(nodes, "apoison") == len(nodes)
+    assert held_on(nodes, "apoison") == 0
 
 
 def test_an_outer_block_whose_hold_was_replaced_still_learns_it_lost_the_lock(
@@ -165,9 +158,9 @@ def test_an_outer_block_whose_hold_was_replaced_still_learns_it_lost_the_lock(
         with Redlock("nested-expiry", ttl=5) as inner:
             assert inner.owned()
             inner_ran = True
-        assert _on_nodes(nodes, "nested-expiry") == 0
+        assert held_on(nodes, "nested-expiry") == 0
     assert inner_ran
-    assert _on_nodes(nodes, "nested-expiry") == 0
+    assert held_on(nodes, "nested-expiry") == 0
     # Nothing is left over: the next use is clean.
     with Redlock("nested-expiry") as again:
         assert again.depth == 1
@@ -200,7 +193,7 @@ async def test_a_release_completes_through_repeated_cancellations(
             break
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert _on_nodes(nodes, "cancel-release") == 0
+    assert held_on(nodes, "cancel-release") == 0
     assert await Redlock("cancel-release").aacquire(blocking=False)
 
 
@@ -213,7 +206,7 @@ async def test_a_cancelled_release_still_raises_the_cancellation_within_a_timeou
         async with asyncio.timeout(0.05):
             async with Redlock("timeout-release", ttl=10, auto_extend=True):
                 await asyncio.sleep(1)
-    assert _on_nodes(nodes, "timeout-release") == 0
+    assert held_on(nodes, "timeout-release") == 0
 
 
 # Re-entry through another Redlock object with other options.
@@ -243,7 +236,7 @@ def test_reentry_with_conflicting_options_is_refused_by_name(
         with pytest.raises(ValueError, match=option):
             other.acquire()
         assert held.depth == 1 and held.owned()
-    assert _on_nodes(nodes, "reentry-options") == 0
+    assert held_on(nodes, "reentry-options") == 0
 
 
 def test_reentry_with_the_same_options_through_another_object_nests(
@@ -255,7 +248,7 @@ def test_reentry_with_the_same_options_through_another_object_nests(
             assert again.depth == 2
             assert again.fencing_token == held.fencing_token is not None
         assert held.depth == 1
-    assert _on_nodes(nodes, "reentry-same") == 0
+    assert held_on(nodes, "reentry-same") == 0
 
 
 @pytest.mark.parametrize("name", ["retry_delay", "retry_jitter"])
@@ -328,7 +321,7 @@ async def test_an_acquire_cancelled_again_and_again_leaves_no_lock_behind(
     through fault proxies): its clean-up still runs to the end, so no node keeps
     a key nobody holds. Before, a second cancellation cut the clean-up short and
     a granted quorum stayed locked for the whole TTL (most of 30 rounds)."""
-    from tests._proxy import FaultProxy
+    from harness.proxy import FaultProxy
 
     proxies = [FaultProxy(node.port).start() for node in nodes]
     settings.REDLOCK = {
@@ -336,7 +329,7 @@ async def test_an_acquire_cancelled_again_and_again_leaves_no_lock_behind(
         "NODES": [proxy.url for proxy in proxies],
         "WAKE_UPS": False,
     }
-    key = KEY.format("cancel-storm")
+    key = lock_key("cancel-storm")
     left: list[int] = []
     try:
         for proxy in proxies:
@@ -357,7 +350,7 @@ async def test_an_acquire_cancelled_again_and_again_leaves_no_lock_behind(
                 await task  # acquired before the first cancellation landed
             except asyncio.CancelledError:
                 await asyncio.sleep(0.05)  # the requests' own delay, and more
-                left.append(_on_nodes(nodes[:3], "cancel-storm"))
+                left.append(held_on(nodes[:3], "cancel-storm"))
             for node in nodes[:3]:
                 node.client().delete(key)
     finally:

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from harness.held import fence_key, lock_key, token_on
+from harness.nodes import NodeSet
 from redlock_django import LockError, Redlock
 from redlock_django import listing as redlock_listing
 from redlock_django.listing import (
@@ -27,20 +29,8 @@ from redlock_django.listing import (
     node_status,
 )
 from redlock_django.scripts import FORCE_RELEASE_SCRIPT
-from tests._nodes import NodeSet
 
 PASSWORD = "s3cret-pass"
-
-
-def key(resource: str) -> str:
-    return f"redlock:lock:{resource}"
-
-
-def token_on(nodes: NodeSet, index: int, resource: str) -> bytes:
-    with nodes[index].client() as client:
-        token = client.hget(key(resource), "token")
-    assert isinstance(token, bytes)
-    return token
 
 
 def sha1_prefix(token: bytes) -> str:
@@ -54,7 +44,7 @@ def test_held_locks_lists_a_lock_with_its_holder_on_every_node(
     before = datetime.now(UTC)
     lock = hold("order:42", label="POST /orders/42/pay", fencing=True)
     (held,) = held_locks()
-    token = token_on(nodes, 0, "order:42")
+    token = token_on(nodes[0], "order:42")
     assert held.resource == "order:42"
     assert held.nodes == (0, 1, 2, 3, 4)
     assert (held.held_on, held.node_count, held.quorum) == (5, 5, 3)
@@ -92,7 +82,7 @@ def test_lock_resources_escapes_glob_characters_in_the_search(
     # Negative control: the same terms unescaped are patterns matching other locks.
     with nodes[0].client() as client:
         unescaped = {k.decode() for k in client.scan_iter("redlock:lock:*a*b*")}
-        assert key("axb") in unescaped and key("ab") in unescaped
+        assert lock_key("axb") in unescaped and lock_key("ab") in unescaped
 
 
 def test_lock_resources_sorts_and_merges_keys_found_on_any_node(
@@ -102,10 +92,10 @@ def test_lock_resources_sorts_and_merges_keys_found_on_any_node(
     for name in ["b", "c", "a"]:
         hold(name)
     with nodes[4].client() as client:
-        client.hset(key("only-on-4"), mapping={"token": "x", "meta": "{}"})
-        client.pexpire(key("only-on-4"), 10_000)
+        client.hset(lock_key("only-on-4"), mapping={"token": "x", "meta": "{}"})
+        client.pexpire(lock_key("only-on-4"), 10_000)
         # Fencing counters live beside the locks and are not locks.
-        client.set("redlock:fence:counter-only", 7)
+        client.set(fence_key("counter-only"), 7)
     assert lock_resources() == ["a", "b", "c", "only-on-4"]
     assert lock_resources(descending=True) == ["only-on-4", "c", "b", "a"]
 
@@ -128,7 +118,7 @@ def test_describe_flags_a_lock_held_on_fewer_than_a_quorum(
     hold("minority")
     for node in nodes[:3]:
         with node.client() as client:
-            client.delete(key("minority"))
+            client.delete(lock_key("minority"))
     (held,) = held_locks()
     assert held.nodes == (3, 4)
     assert held.held_on == 2
@@ -141,14 +131,14 @@ def test_describe_counts_other_tokens_and_takes_the_majority_token(
 ) -> None:
     """Nodes with another token or a foreign value count in other_tokens."""
     hold("contested")
-    ours = token_on(nodes, 0, "contested")
+    ours = token_on(nodes[0], "contested")
     with nodes[0].client() as client:
-        client.delete(key("contested"))
-        client.hset(key("contested"), "token", "leftover-of-another-attempt")
-        client.pexpire(key("contested"), 5000)
+        client.delete(lock_key("contested"))
+        client.hset(lock_key("contested"), "token", "leftover-of-another-attempt")
+        client.pexpire(lock_key("contested"), 5000)
     with nodes[1].client() as client:
-        client.delete(key("contested"))
-    nodes[1].clog(key("contested"))  # a plain string: WRONGTYPE for HGETALL
+        client.delete(lock_key("contested"))
+    nodes[1].clog(lock_key("contested"))  # a plain string: WRONGTYPE for HGETALL
     (held,) = held_locks()
     assert held.nodes == (2, 3, 4)
     assert held.other_tokens == 2
@@ -158,9 +148,9 @@ def test_describe_counts_other_tokens_and_takes_the_majority_token(
     # Now the other token holds 3 nodes: it becomes the lock shown.
     for node in nodes[1:3]:
         with node.client() as client:
-            client.delete(key("contested"))
-            client.hset(key("contested"), "token", "leftover-of-another-attempt")
-            client.pexpire(key("contested"), 5000)
+            client.delete(lock_key("contested"))
+            client.hset(lock_key("contested"), "token", "leftover-of-another-attempt")
+            client.pexpire(lock_key("contested"), 5000)
     (held,) = held_locks()
     assert held.nodes == (0, 1, 2)
     assert held.token_digest == sha1_prefix(b"leftover-of-another-attempt")
@@ -172,7 +162,7 @@ def test_describe_omits_a_key_holding_only_foreign_values(
     nodes: NodeSet, redlock_settings: dict[str, Any]
 ) -> None:
     """A key with no token on any node (another writer's value) is no lock."""
-    nodes[0].clog(key("foreign"))
+    nodes[0].clog(lock_key("foreign"))
     assert lock_resources() == ["foreign"]
     assert describe(["foreign"]) == []
 
@@ -183,7 +173,7 @@ def test_node_status_reports_every_node_with_version_latency_and_lock_keys(
     """Every node is reachable, with its Redis version and lock-key count."""
     hold("one")
     hold("two")
-    nodes[3].clog(key("three"))
+    nodes[3].clog(lock_key("three"))
     with nodes[0].client() as client:
         version = client.info("server")["redis_version"]
     statuses = node_status()
@@ -281,7 +271,7 @@ def test_force_release_deletes_only_the_token_that_was_shown(
     assert held_locks() == []
     for node in nodes:
         with node.client() as client:
-            assert not client.exists(key("shared"))
+            assert not client.exists(lock_key("shared"))
 
 
 def test_force_release_leaves_other_tokens_and_foreign_values_alone(
@@ -290,17 +280,17 @@ def test_force_release_leaves_other_tokens_and_foreign_values_alone(
     """Only nodes holding the shown token lose the key; others keep theirs."""
     hold("mixed")
     with nodes[0].client() as client:
-        client.hset(key("mixed"), "token", "another-token")
+        client.hset(lock_key("mixed"), "token", "another-token")
     with nodes[1].client() as client:
-        client.delete(key("mixed"))
-    nodes[1].clog(key("mixed"))
+        client.delete(lock_key("mixed"))
+    nodes[1].clog(lock_key("mixed"))
     (held,) = held_locks()
     outcome = force_release("mixed", held.token_digest)
     assert outcome.released == (2, 3, 4) and not outcome.changed
     with nodes[0].client() as client:
-        assert client.hget(key("mixed"), "token") == b"another-token"
+        assert client.hget(lock_key("mixed"), "token") == b"another-token"
     with nodes[1].client() as client:
-        assert client.get(key("mixed")) == b"foreign-token"
+        assert client.get(lock_key("mixed")) == b"foreign-token"
 
 
 def test_force_release_reports_an_unreachable_node_without_raising(
@@ -366,7 +356,7 @@ def test_ten_thousand_locks_list_and_page_quickly(
         with nodes[index].client(socket_timeout=10) as client:
             pipe = client.pipeline(transaction=False)
             for i in range(count):
-                name = key(f"bulk:{i:05d}")
+                name = lock_key(f"bulk:{i:05d}")
                 pipe.hset(name, mapping={"token": f"token-{i}", "meta": meta})
                 pipe.pexpire(name, 60_000)
             pipe.execute()
@@ -404,7 +394,7 @@ def test_scans_stop_at_the_key_cap_and_the_deadline(
     with nodes[0].client() as client:
         pipe = client.pipeline(transaction=False)
         for i in range(3000):
-            pipe.hset(key(f"many:{i}"), "token", "t")
+            pipe.hset(lock_key(f"many:{i}"), "token", "t")
         pipe.execute()
     monkeypatch.setattr(redlock_listing, "SCAN_CAP", 1500)
     assert node_status()[0].lock_keys == 1500

@@ -31,13 +31,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from loadtests.demo import Children
-from tests._nodes import NodeSet, free_port
+from harness.locust import locust_command, locust_env
+from harness.nodes import NodeSet, free_port
+from harness.processes import Children
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
 STOCK = 30
 USERS = 20
 
@@ -97,20 +97,18 @@ class Shop:
         """Run Locust headless; return its exit code, summary and output."""
         summary_path = self.workdir / f"summary-{uuid.uuid4().hex[:8]}.json"
         command = [
-            sys.executable, "-m", "locust",
-            "-f", str(LOCUSTFILE),
-            "--headless",
-            "-u", str(USERS),
-            "-r", str(USERS * 5),
-            "-t", f"{run_time}s",
-            "--only-summary",
-            "--app-hosts", ",".join(self.hosts),
-            "--product-id", str(product_id),
-            "--scenario", scenario,
-            "--stop-after-sold-out", "0.5",
-            "--summary-json", str(summary_path),
+            *locust_command(
+                hosts=self.hosts,
+                product_id=product_id,
+                scenario=scenario,
+                users=USERS,
+                spawn_rate=USERS * 5,
+                run_time=run_time,
+                summary_json=summary_path,
+                stop_after_sold_out=0.5,
+            ),
             *extra,
-        ]  # fmt: skip
+        ]
         result = subprocess.run(
             command,
             cwd=REPO,
@@ -147,7 +145,7 @@ def shop(
 ) -> Iterator[Shop]:
     """Migrate the module's database and serve the shop from two gunicorns."""
     workdir = tmp_path_factory.mktemp("loadtest")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCUST_")}
+    env = locust_env(os.environ)
     env.update(
         DJANGO_SETTINGS_MODULE="shop.settings",
         DATABASE_URL=shop_database,

@@ -8,11 +8,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from harness.held import lock_key, tokens
 from redlock_django import (
     LockContentionError,
     LockLostError,
@@ -22,32 +22,9 @@ from redlock_django import (
 from redlock_django.scripts import RELEASE_SCRIPT
 from tests._api import SyncAPI, make_api
 
-KEY = "redlock:lock:{}"
-
-
-@pytest.fixture(params=["sync", "async"])
-async def api(
-    request: pytest.FixtureRequest, redlock_settings: dict[str, Any]
-) -> AsyncIterator[SyncAPI]:
-    owner = make_api(request.param)
-    yield owner
-    await owner.aclose()
-
-
-@pytest.fixture
-async def other(api: SyncAPI) -> AsyncIterator[SyncAPI]:
-    """A second owner of the same kind (another thread, or another task)."""
-    owner = make_api(api.mode)
-    yield owner
-    await owner.aclose()
-
-
-def tokens(nodes: Any, resource: str) -> list[bytes | None]:
-    return [node.client().hget(KEY.format(resource), "token") for node in nodes]
-
 
 def pttls(nodes: Any, resource: str) -> list[int]:
-    return [node.client().pttl(KEY.format(resource)) for node in nodes]
+    return [node.client().pttl(lock_key(resource)) for node in nodes]
 
 
 async def test_acquire_holds_the_lock_on_every_node_until_release(
@@ -163,13 +140,13 @@ async def test_release_by_an_owner_that_does_not_hold_it_leaves_the_lock(
 
 async def test_release_script_with_a_wrong_token_leaves_the_key(nodes: Any) -> None:
     client = nodes[0].client()
-    client.hset(KEY.format("scripted"), mapping={"token": "right"})
-    client.pexpire(KEY.format("scripted"), 10_000)
-    assert client.eval(RELEASE_SCRIPT.source, 1, KEY.format("scripted"), "wrong") == 0
-    assert client.hget(KEY.format("scripted"), "token") == b"right"
+    client.hset(lock_key("scripted"), mapping={"token": "right"})
+    client.pexpire(lock_key("scripted"), 10_000)
+    assert client.eval(RELEASE_SCRIPT.source, 1, lock_key("scripted"), "wrong") == 0
+    assert client.hget(lock_key("scripted"), "token") == b"right"
     # The control: the right token deletes it, so the script is what protects it.
-    assert client.eval(RELEASE_SCRIPT.source, 1, KEY.format("scripted"), "right") == 1
-    assert client.exists(KEY.format("scripted")) == 0
+    assert client.eval(RELEASE_SCRIPT.source, 1, lock_key("scripted"), "right") == 1
+    assert client.exists(lock_key("scripted")) == 0
 
 
 async def test_expired_holder_releasing_late_leaves_the_new_holder_alone(
@@ -253,7 +230,7 @@ async def test_extend_confirmed_only_by_a_minority_fails_without_recreating_keys
     lock = Redlock("minority", ttl=5.0)
     await api.acquire(lock)
     for node in nodes[:3]:
-        node.client().delete(KEY.format("minority"))
+        node.client().delete(lock_key("minority"))
     assert not await api.extend(lock, 8.0)
     assert tokens(nodes, "minority")[:3] == [None] * 3
     with pytest.raises(LockLostError, match="only 2/5"):
@@ -314,7 +291,7 @@ async def test_holder_metadata_is_stored_with_the_lock(
     lock = Redlock("meta", ttl=3.0, label="POST /shop/buy/")
     await api.acquire(lock)
     for node in nodes:
-        raw = node.client().hget(KEY.format("meta"), "meta")
+        raw = node.client().hget(lock_key("meta"), "meta")
         meta = json.loads(raw)
         assert meta["host"] == socket.gethostname()
         assert meta["pid"] == os.getpid()
@@ -324,7 +301,7 @@ async def test_holder_metadata_is_stored_with_the_lock(
             t.name for t in threading.enumerate()
         }
         assert meta["acquired_at"].endswith("+00:00")
-        assert 2000 < node.client().pttl(KEY.format("meta")) <= 3000
+        assert 2000 < node.client().pttl(lock_key("meta")) <= 3000
     await api.release(lock)
 
 
@@ -480,7 +457,7 @@ def test_lock_runs_on_explicit_nodes_instead_of_the_settings(
     extra = make_nodes(3)
     lock = Redlock("explicit", nodes=extra.urls)
     with lock:
-        assert [n.client().exists(KEY.format("explicit")) for n in extra] == [1, 1, 1]
+        assert [n.client().exists(lock_key("explicit")) for n in extra] == [1, 1, 1]
         assert tokens(nodes, "explicit") == [None] * 5
 
 
@@ -527,7 +504,7 @@ async def test_cancelling_an_acquire_in_flight_cleans_up_its_partial_lock(
     removes its partial lock before the cancellation propagates."""
     settings.REDLOCK = {**redlock_settings, "NODE_TIMEOUT": 0.5}
     lock = Redlock("cancel-flight")
-    nodes[2].clog(KEY.format("cancel-flight"), ttl=30)
+    nodes[2].clog(lock_key("cancel-flight"), ttl=30)
     for node in nodes[3:]:
         node.pause()
     try:
@@ -543,7 +520,7 @@ async def test_cancelling_an_acquire_in_flight_cleans_up_its_partial_lock(
         for node in nodes[3:]:
             node.resume()
     assert tokens(nodes[:2], "cancel-flight") == [None] * 2
-    nodes[2].client().delete(KEY.format("cancel-flight"))
+    nodes[2].client().delete(lock_key("cancel-flight"))
     assert not await lock.alocked()
     # The connection pools were not left with replies due: the next call works.
     async with lock:
@@ -606,7 +583,7 @@ async def test_release_after_the_keys_were_removed_reports_the_lock_lost(
     lock = Redlock("evicted", ttl=10.0)
     await api.acquire(lock)
     for node in nodes[:3]:  # an admin's force release, or an eviction, on a majority
-        node.client().delete(KEY.format("evicted"))
+        node.client().delete(lock_key("evicted"))
     with pytest.raises(LockLostError, match="only 2/5 nodes still held it"):
         await api.release(lock)
     assert tokens(nodes, "evicted") == [None] * 5

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
 from redlock_django import Redlock
-from tests._nodes import NodeSet
 from tests._workers import Keys
 
 REPO = Path(__file__).resolve().parent.parent

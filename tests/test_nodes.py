@@ -10,12 +10,11 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 
+from harness.held import lock_key
+from harness.nodes import find_redis_server
 from redlock_django import QuorumUnavailableError, Redlock
 from redlock_django import nodes as node_pools
 from redlock_django.conf import get_settings
-from tests._nodes import find_redis_server
-
-KEY = "redlock:lock:{}"
 
 
 def test_lock_reuses_a_django_redis_cache_alias(
@@ -31,7 +30,7 @@ def test_lock_reuses_a_django_redis_cache_alias(
     }
     settings.REDLOCK = {**redlock_settings, "NODES": ["locks", *nodes.urls[1:3]]}
     with Redlock("aliased"):
-        assert [n.client().exists(KEY.format("aliased")) for n in nodes[:3]] == [1] * 3
+        assert [n.client().exists(lock_key("aliased")) for n in nodes[:3]] == [1] * 3
 
 
 def test_pools_use_the_node_timeout_and_never_retry(
@@ -106,8 +105,8 @@ def test_lock_works_over_a_unix_socket(
         with Redlock("over-unix") as lock:
             assert lock.owned()
             client = redis.Redis(unix_socket_path=str(socket_path), db=2)
-            assert client.hget(KEY.format("over-unix"), "token") is not None
-        assert client.exists(KEY.format("over-unix")) == 0
+            assert client.hget(lock_key("over-unix"), "token") is not None
+        assert client.exists(lock_key("over-unix")) == 0
     finally:
         server.kill()
         server.wait(timeout=10)

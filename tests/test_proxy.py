@@ -1,4 +1,4 @@
-"""The fault-injection proxy (``tests/_proxy.py``) does what the other tests rely on."""
+"""The fault-injection proxy (``harness/proxy.py``) does what the tests rely on."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import redis.connection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests._nodes import NodeSet
-from tests._proxy import FaultProxy, FaultProxyError
+from harness.nodes import NodeSet
+from harness.proxy import FaultProxy, FaultProxyError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -29,6 +29,8 @@ from typing import Any
 import pytest
 import redis
 
+from harness.held import lock_key
+from harness.nodes import NodeSet, RedisNode
 from redlock_django import LockLostError, QuorumUnavailableError, Redlock
 from redlock_django.protocol import quorum
 from redlock_django.scripts import (
@@ -38,7 +40,7 @@ from redlock_django.scripts import (
     PTTL_SCRIPT,
     RELEASE_SCRIPT,
 )
-from tests._nodes import NodeSet, RedisNode
+from tests._api import SyncAPI
 
 FOREIGN = b"foreign-token"
 #: Foreign leases outlast ours (10 s), so a foreign key we refreshed would show it.
@@ -48,10 +50,6 @@ NODE_TIMEOUT = 0.05
 SLACK = 0.25
 #: How long a resumed node may take to run the commands queued while it was frozen.
 DRAIN_TIMEOUT = 2.0
-
-
-def lock_key(resource: str) -> str:
-    return f"redlock:lock:{resource}"
 
 
 @pytest.fixture
@@ -211,12 +209,6 @@ def assert_nothing_of_ours(nodes: Iterable[RedisNode], key: str) -> None:
         assert holder(node, key) in (None, FOREIGN), node
 
 
-def timed(call: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.monotonic()
-    result = call()
-    return result, time.monotonic() - start
-
-
 async def atimed(call: Callable[[], Any]) -> tuple[Any, float]:
     start = time.monotonic()
     result = await call()
@@ -339,13 +331,17 @@ def test_acquire_wins_exactly_when_a_quorum_runs_for_every_set_of_stopped_nodes(
 
 
 @pytest.mark.parametrize("frozen", [(0, 1), (3, 4)], ids=["first", "last"])
-def test_acquire_extend_release_succeed_within_node_timeout_with_two_of_five_paused(
-    nodes: NodeSet, fast_fail: dict[str, Any], resource: str, frozen: tuple[int, ...]
+async def test_acquire_extend_release_succeed_in_node_timeout_with_two_of_five_paused(
+    api: SyncAPI,
+    nodes: NodeSet,
+    fast_fail: dict[str, Any],
+    resource: str,
+    frozen: tuple[int, ...],
 ) -> None:
-    """With two of five nodes frozen, acquire, extend and release each succeed
-    within NODE_TIMEOUT (not redis-py's 5 s default): once the three live nodes
-    decided, the frozen ones are not waited for. Once they resume and run what was
-    queued for them, nothing of ours is left.
+    """With two of five nodes frozen, acquire, extend and release (and their async
+    twins) each succeed within NODE_TIMEOUT (not redis-py's 5 s default): once the
+    three live nodes decided, the frozen ones are not waited for. Once they resume
+    and run what was queued for them, nothing of ours is left.
     """
     load_scripts(nodes)
     key = lock_key(resource)
@@ -356,13 +352,13 @@ def test_acquire_extend_release_succeed_within_node_timeout_with_two_of_five_pau
         node.pause()
     lock = Redlock(resource)
 
-    won, took_acquire = timed(lock.acquire)
+    won, took_acquire = await atimed(lambda: api.acquire(lock))
     assert won is True
     assert_ours_exactly_on(NodeSet(live), live, key)
-    extended, took_extend = timed(lambda: lock.extend(5.0))
+    extended, took_extend = await atimed(lambda: api.extend(lock, 5.0))
     assert extended is True
     assert 4_000 < pttl(live[0], key) <= 5_000
-    _, took_release = timed(lock.release)
+    _, took_release = await atimed(lambda: api.release(lock))
     assert holders(live, key) == [None] * len(live)
 
     for took in (took_acquire, took_extend, took_release):
@@ -373,12 +369,17 @@ def test_acquire_extend_release_succeed_within_node_timeout_with_two_of_five_pau
 
 
 @pytest.mark.parametrize("frozen", [(0, 1, 2), (2, 3, 4)], ids=["first", "last"])
-def test_quorum_unavailable_is_raised_at_once_with_three_of_five_paused(
-    nodes: NodeSet, fast_fail: dict[str, Any], resource: str, frozen: tuple[int, ...]
+async def test_quorum_unavailable_is_raised_at_once_with_three_of_five_paused(
+    api: SyncAPI,
+    nodes: NodeSet,
+    fast_fail: dict[str, Any],
+    resource: str,
+    frozen: tuple[int, ...],
 ) -> None:
-    """With three of five nodes frozen, acquire() raises QuorumUnavailableError after
-    about NODE_TIMEOUT even with a 30 s WAIT_TIMEOUT; once the frozen nodes resume,
-    the acquisition they had queued is undone by the clean-up queued behind it.
+    """With three of five nodes frozen, acquire() (or aacquire) raises
+    QuorumUnavailableError after about NODE_TIMEOUT even with a 30 s WAIT_TIMEOUT;
+    once the frozen nodes resume, the acquisition they had queued is undone by the
+    clean-up queued behind it.
     """
     load_scripts(nodes)
     key = lock_key(resource)
@@ -392,7 +393,7 @@ def test_quorum_unavailable_is_raised_at_once_with_three_of_five_paused(
 
     start = time.monotonic()
     with pytest.raises(QuorumUnavailableError) as caught:
-        lock.acquire()
+        await api.acquire(lock)
     took = time.monotonic() - start
     # One round to the nodes and one clean-up round, never a retry.
     assert took < NODE_TIMEOUT + SLACK, took
@@ -466,50 +467,63 @@ def test_cleanup_reaches_a_resumed_node_that_never_ran_the_release_script(
 # --- killed and restarted nodes -----------------------------------------------------
 
 
-def test_quorum_unavailable_is_raised_at_once_with_three_of_five_killed(
-    nodes: NodeSet, fast_fail: dict[str, Any], resource: str
+@pytest.mark.parametrize("dead", [(0, 1, 2), (2, 3, 4)], ids=["first", "last"])
+async def test_quorum_unavailable_is_raised_at_once_with_three_of_five_killed(
+    api: SyncAPI,
+    nodes: NodeSet,
+    fast_fail: dict[str, Any],
+    resource: str,
+    dead: tuple[int, ...],
 ) -> None:
-    """With three of five nodes crashed, acquire() raises QuorumUnavailableError
-    naming them, without waiting out the 30 s WAIT_TIMEOUT, and leaves nothing of
-    ours on the two live nodes."""
+    """With three of five nodes crashed, acquire() (or aacquire) raises
+    QuorumUnavailableError naming them, without waiting out the 30 s WAIT_TIMEOUT,
+    and leaves nothing of ours on the two live nodes."""
     key = lock_key(resource)
-    dead, live = list(nodes[:3]), list(nodes[3:])
-    for node in dead:
+    killed = [nodes[i] for i in dead]
+    live = [node for node in nodes if node not in killed]
+    for node in killed:
         node.kill()
     lock = Redlock(resource)
 
     start = time.monotonic()
     with pytest.raises(QuorumUnavailableError) as caught:
-        lock.acquire()
+        await api.acquire(lock)
     took = time.monotonic() - start
 
     assert took < NODE_TIMEOUT + SLACK, took
     error = caught.value
-    assert set(error.failed) == {node.url for node in dead}
+    assert set(error.failed) == {node.url for node in killed}
     assert error.granted == 2
     assert error.quorum == 3
     assert not lock.owned()
     assert holders(live, key) == [None, None]
 
 
-def test_acquire_extend_release_work_with_two_of_five_killed(
-    nodes: NodeSet, fast_fail: dict[str, Any], resource: str
+@pytest.mark.parametrize("dead", [(1, 3), (0, 4)], ids=["inner", "outer"])
+async def test_acquire_extend_release_work_with_two_of_five_killed(
+    api: SyncAPI,
+    nodes: NodeSet,
+    fast_fail: dict[str, Any],
+    resource: str,
+    dead: tuple[int, ...],
 ) -> None:
     """With two of five nodes crashed, the other three are a quorum: acquire,
-    extend and release all work, quickly, and release clears the live nodes."""
+    extend and release (and their async twins) all work, quickly, and release
+    clears the live nodes."""
     key = lock_key(resource)
-    dead, live = [nodes[1], nodes[3]], [nodes[0], nodes[2], nodes[4]]
-    for node in dead:
+    killed = [nodes[i] for i in dead]
+    live = [node for node in nodes if node not in killed]
+    for node in killed:
         node.kill()
     lock = Redlock(resource)
 
-    won, took_acquire = timed(lock.acquire)
+    won, took_acquire = await atimed(lambda: api.acquire(lock))
     assert won is True
     assert_ours_exactly_on(NodeSet(live), live, key)
-    extended, took_extend = timed(lambda: lock.extend(5.0))
+    extended, took_extend = await atimed(lambda: api.extend(lock, 5.0))
     assert extended is True
     assert all(4_000 < pttl(node, key) <= 5_000 for node in live)
-    _, took_release = timed(lock.release)
+    _, took_release = await atimed(lambda: api.release(lock))
 
     assert holders(live, key) == [None] * len(live)
     for took in (took_acquire, took_extend, took_release):
@@ -591,135 +605,31 @@ def test_release_after_a_node_restarted_empty_clears_the_live_nodes(
     assert holders(nodes, key) == [None] * len(nodes)
 
 
-def test_next_acquire_recovers_connections_broken_by_node_restarts(
-    nodes: NodeSet, fast_fail: dict[str, Any], resource: str
+async def test_next_acquire_recovers_connections_broken_by_node_restarts(
+    api: SyncAPI, nodes: NodeSet, fast_fail: dict[str, Any], resource: str
 ) -> None:
-    """After three of five nodes restarted under the pool's idle connections, the
-    next acquisition succeeds on all five: broken connections are replaced, not
-    reported as failed nodes (three failures would be a QuorumUnavailableError)."""
+    """After three of five nodes restarted under the pool's idle connections (sync
+    or asyncio), the next acquisition succeeds on all five: broken connections are
+    replaced, not reported as failed nodes (three failures would be a
+    QuorumUnavailableError)."""
     first = Redlock(f"{resource}-first")
-    assert first.acquire()
+    assert await api.acquire(first)
     for node in nodes[:3]:
         node.restart()
 
     second = Redlock(f"{resource}-second")
-    assert second.acquire(blocking=False) is True
+    assert await api.acquire(second, blocking=False) is True
 
     key = lock_key(f"{resource}-second")
     assert_ours_exactly_on(nodes, list(nodes), key)
-    second.release()
+    await api.release(second)
     # The restarts (no persistence) dropped first's keys on 3 of 5 nodes.
     with pytest.raises(LockLostError):
-        first.release()
+        await api.release(first)
     assert holders(nodes, key) == [None] * len(nodes)
 
 
 # --- asyncio ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("frozen", [(0, 1), (3, 4)], ids=["first", "last"])
-async def test_async_acquire_extend_release_succeed_with_two_of_five_paused(
-    nodes: NodeSet, fast_fail: dict[str, Any], resource: str, frozen: tuple[int, ...]
-) -> None:
-    """aacquire, aextend and arelease succeed within NODE_TIMEOUT plus slack with
-    two of five nodes frozen; nothing is left once those nodes resume."""
-    load_scripts(nodes)
-    key = lock_key(resource)
-    paused = [nodes[i] for i in frozen]
-    live = [node for node in nodes if node not in paused]
-    expected = {node: script_calls(node) + 3 for node in paused}
-    for node in paused:
-        node.pause()
-    lock = Redlock(resource)
-
-    won, took_acquire = await atimed(lock.aacquire)
-    assert won is True
-    assert_ours_exactly_on(NodeSet(live), live, key)
-    extended, took_extend = await atimed(lambda: lock.aextend(5.0))
-    assert extended is True
-    assert 4_000 < pttl(live[0], key) <= 5_000
-    _, took_release = await atimed(lock.arelease)
-    assert holders(live, key) == [None] * len(live)
-
-    for took in (took_acquire, took_extend, took_release):
-        assert took < NODE_TIMEOUT + SLACK, (took_acquire, took_extend, took_release)
-    drain(expected)
-    assert holders(nodes, key) == [None] * len(nodes)
-
-
-@pytest.mark.parametrize("frozen", [(0, 1, 2), (2, 3, 4)], ids=["first", "last"])
-async def test_async_quorum_unavailable_is_raised_at_once_with_three_of_five_paused(
-    nodes: NodeSet, fast_fail: dict[str, Any], resource: str, frozen: tuple[int, ...]
-) -> None:
-    """aacquire raises QuorumUnavailableError within NODE_TIMEOUT plus slack, with a
-    30 s WAIT_TIMEOUT, and nothing is left anywhere once the frozen nodes resume."""
-    load_scripts(nodes)
-    key = lock_key(resource)
-    paused = [nodes[i] for i in frozen]
-    live = [node for node in nodes if node not in paused]
-    expected = {node: script_calls(node) + 2 for node in paused}
-    for node in paused:
-        node.pause()
-    lock = Redlock(resource)
-
-    start = time.monotonic()
-    with pytest.raises(QuorumUnavailableError) as caught:
-        await lock.aacquire()
-    took = time.monotonic() - start
-
-    assert took < NODE_TIMEOUT + SLACK, took
-    error = caught.value
-    assert error.failed == {node.url: "timed out" for node in paused}
-    assert error.granted == 2
-    assert error.quorum == 3
-    assert holders(live, key) == [None, None]
-    drain(expected)
-    assert holders(nodes, key) == [None] * len(nodes)
-
-
-async def test_async_quorum_unavailable_is_raised_at_once_with_three_of_five_killed(
-    nodes: NodeSet, fast_fail: dict[str, Any], resource: str
-) -> None:
-    """aacquire raises QuorumUnavailableError naming the three crashed nodes, fast,
-    and leaves nothing on the two live ones."""
-    key = lock_key(resource)
-    dead, live = list(nodes[2:]), list(nodes[:2])
-    for node in dead:
-        node.kill()
-    lock = Redlock(resource)
-
-    start = time.monotonic()
-    with pytest.raises(QuorumUnavailableError) as caught:
-        await lock.aacquire()
-    took = time.monotonic() - start
-
-    assert took < NODE_TIMEOUT + SLACK, took
-    assert set(caught.value.failed) == {node.url for node in dead}
-    assert caught.value.granted == 2
-    assert holders(live, key) == [None, None]
-
-
-async def test_async_acquire_extend_release_work_with_two_of_five_killed(
-    nodes: NodeSet, fast_fail: dict[str, Any], resource: str
-) -> None:
-    """With two of five nodes crashed, aacquire, aextend and arelease work."""
-    key = lock_key(resource)
-    dead, live = [nodes[0], nodes[4]], list(nodes[1:4])
-    for node in dead:
-        node.kill()
-    lock = Redlock(resource)
-
-    won, took_acquire = await atimed(lock.aacquire)
-    assert won is True
-    assert_ours_exactly_on(NodeSet(live), live, key)
-    extended, took_extend = await atimed(lambda: lock.aextend(5.0))
-    assert extended is True
-    assert all(4_000 < pttl(node, key) <= 5_000 for node in live)
-    _, took_release = await atimed(lock.arelease)
-
-    assert holders(live, key) == [None] * len(live)
-    for took in (took_acquire, took_extend, took_release):
-        assert took < NODE_TIMEOUT + SLACK, (took_acquire, took_extend, took_release)
 
 
 async def test_async_release_clears_nodes_restarted_while_the_lock_was_held(
@@ -740,28 +650,6 @@ async def test_async_release_clears_nodes_restarted_while_the_lock_was_held(
     await lock.arelease()
 
     assert holders(durable, key) == [None] * len(durable)
-
-
-async def test_async_next_acquire_recovers_connections_broken_by_node_restarts(
-    nodes: NodeSet, fast_fail: dict[str, Any], resource: str
-) -> None:
-    """After three of five nodes restarted under idle asyncio connections, the
-    very next aacquire succeeds on all five (a dead pooled connection is retried).
-    """
-    first = Redlock(f"{resource}-first")
-    assert await first.aacquire()
-    for node in nodes[:3]:
-        node.restart()
-
-    second = Redlock(f"{resource}-second")
-    assert await second.aacquire(blocking=False) is True
-
-    key = lock_key(f"{resource}-second")
-    assert_ours_exactly_on(nodes, list(nodes), key)
-    await second.arelease()
-    with pytest.raises(LockLostError):  # its keys died with the 3 restarts
-        await first.arelease()
-    assert holders(nodes, key) == [None] * len(nodes)
 
 
 # --- CLIENT PAUSE: the server stops serving clients, the process keeps running ------

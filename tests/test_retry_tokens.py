@@ -12,40 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
+from harness.held import lock_key, token_on
+from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
 from redlock_django import Redlock
 from redlock_django.scripts import ACQUIRE_SCRIPT, RELEASE_SCRIPT
 from tests._api import SyncAPI, make_api
-from tests._nodes import NodeSet
-from tests._proxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(30)
-
-KEY = "redlock:lock:{}"
-
-
-def token_on(node: Any, resource: str) -> bytes | None:
-    """Return the lock token on ``node``; a foreign string value reads as b"foreign"."""
-    with node.client() as client:
-        key = KEY.format(resource)
-        if client.type(key) == b"string":
-            return b"foreign"
-        value: bytes | None = client.hget(key, "token")
-        return value
-
-
-@pytest.fixture(params=["sync", "async"])
-async def api(
-    request: pytest.FixtureRequest, redlock_settings: dict[str, Any]
-) -> AsyncIterator[SyncAPI]:
-    owner = make_api(request.param)
-    yield owner
-    await owner.aclose()
 
 
 @pytest.fixture
@@ -76,7 +56,7 @@ async def test_delayed_cleanup_of_a_failed_attempt_never_deletes_the_next_attemp
     Node 0 still holds attempt 2's key, and a second client is refused: it finds
     a quorum only if the late clean-up deleted a key the holder counted."""
     resource = "retry-tokens"
-    key = KEY.format(resource)
+    key = lock_key(resource)
     settings.REDLOCK = {
         **redlock_settings,
         "NODES": [proxy.url, *nodes.urls[1:]],
@@ -161,7 +141,7 @@ def test_acquire_takes_over_only_an_earlier_attempt_of_the_same_base(
     """ACQUIRE replaces a key holding an earlier attempt of the same base (a
     clean-up that never arrived) and answers -1, leaving the key as it was, for a
     later attempt of that base or any other token."""
-    key = KEY.format("takeover")
+    key = lock_key("takeover")
     with nodes[0].client() as client:
         client.hset(key, mapping={"token": held, "meta": "old"})
         client.pexpire(key, 60000)
@@ -182,7 +162,7 @@ def test_release_of_an_earlier_attempt_leaves_the_key_a_later_attempt_took(
 ) -> None:
     """After attempt 2 took over attempt 1's leftover, attempt 1's clean-up (late)
     deletes nothing; attempt 2's own clean-up does."""
-    key = KEY.format("takeover")
+    key = lock_key("takeover")
     with nodes[0].client() as client:
         assert acquire_on(client, key, "base.1") == 0
         assert acquire_on(client, key, "base.2") == 0

@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 import redis
 
+from harness.held import held_on, lock_key
+from harness.nodes import NodeSet, RedisNodeError
 from redlock_django import QuorumUnavailableError, Redlock, listing
 from redlock_django import conf as redlock_conf
 from redlock_django import nodes as node_pools
 from redlock_django.address import parse_node
-from tests._nodes import NodeSet, RedisNodeError
 from tests._tls import (
     Certificates,
     TLSRedisNode,
@@ -30,7 +31,6 @@ from tests._tls import (
     make_certificates,
 )
 
-KEY = "redlock:lock:{}"
 # Generous for a 2-core machine shared with other test runs. A new TLS connection
 # costs 30-60 ms of CPU in redis-py (a fresh SSLContext loading the system CAs),
 # and the asyncio driver makes them one after the other on its loop.
@@ -122,10 +122,6 @@ def tls_nodes(tls_servers: NodeSet) -> Iterator[NodeSet]:
         tls_servers.resume_all()
 
 
-def held_on(node_set: NodeSet, resource: str) -> int:
-    return sum(node.client().exists(KEY.format(resource)) for node in node_set)
-
-
 def test_tls_nodes_with_their_ca_lock_extend_and_release(
     settings: Any, tls_nodes: NodeSet
 ) -> None:
@@ -137,7 +133,7 @@ def test_tls_nodes_with_their_ca_lock_extend_and_release(
         assert held_on(tls_nodes, "over-tls") == 3
         assert lock.extend(20.0)
         assert all(
-            node.client().pttl(KEY.format("over-tls")) > 10_000 for node in tls_nodes
+            node.client().pttl(lock_key("over-tls")) > 10_000 for node in tls_nodes
         )
     assert held_on(tls_nodes, "over-tls") == 0
 
@@ -276,7 +272,7 @@ def test_tls_client_on_a_plaintext_port_fails_clearly(
         # The server reads the ClientHello as the start of an inline command and
         # waits for its end of line: the handshake times out.
         assert reason == "timed out", reason
-    assert sum(n.client().exists(KEY.format("tls-to-plain")) for n in nodes) == 0
+    assert sum(n.client().exists(lock_key("tls-to-plain")) for n in nodes) == 0
 
 
 def test_paused_tls_nodes_cost_at_most_a_node_timeout(
@@ -381,10 +377,10 @@ def test_documented_app_user_can_lock_extend_fence_and_release(
     settings.REDLOCK = lock_settings(urls)
     with Redlock("acl:job", fencing=True) as lock:
         assert lock.owned() and lock.fencing_token == 1
-        assert all(a.hget(KEY.format("acl:job"), "token") for a in acl_nodes)
+        assert all(a.hget(lock_key("acl:job"), "token") for a in acl_nodes)
         assert lock.extend(20.0)
         assert lock.locked()
-    assert sum(a.exists(KEY.format("acl:job")) for a in acl_nodes) == 0
+    assert sum(a.exists(lock_key("acl:job")) for a in acl_nodes) == 0
 
 
 async def test_documented_app_user_locks_from_asyncio(
@@ -412,7 +408,7 @@ def test_documented_ops_user_can_inspect_and_force_release(
     assert held.resource == "acl:stuck" and held.held_on == 3
     outcome = listing.force_release("acl:stuck", held.token_digest)
     assert outcome.released == (0, 1, 2)
-    assert sum(a.exists(KEY.format("acl:stuck")) for a in acl_nodes) == 0
+    assert sum(a.exists(lock_key("acl:stuck")) for a in acl_nodes) == 0
 
 
 def test_app_user_cannot_touch_keys_outside_the_prefix(
@@ -685,7 +681,7 @@ def test_tokens_come_from_secrets_with_at_least_128_bits(
     stored = set()
     for round_ in range(50):
         with Redlock("tokens"):
-            stored.add(nodes[round_ % 5].client().hget(KEY.format("tokens"), "token"))
+            stored.add(nodes[round_ % 5].client().hget(lock_key("tokens"), "token"))
     assert len(asked) == 50
     # 50 distinct, all used; the lock was free, so each first attempt won.
     assert {f"{token}.1".encode() for _, token in asked} == stored
@@ -707,7 +703,7 @@ def test_full_token_never_shown_by_admin_command_or_listing(
     from django.core.management import call_command
 
     with caplog.at_level(logging.DEBUG), Redlock("shown", label="x") as lock:
-        token = nodes[0].client().hget(KEY.format("shown"), "token")
+        token = nodes[0].client().hget(lock_key("shown"), "token")
         assert token is not None and lock.owned()
         digest = listing.token_digest(token)
         surfaces = [

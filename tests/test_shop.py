@@ -29,12 +29,12 @@ from django.core.management import call_command
 from django.db import connection, connections
 from django.test import Client
 
+from harness.held import lock_key
+from harness.nodes import NodeSet
 from redlock_django import Redlock
 from shop.models import Order, Product, audit
-from tests._nodes import NodeSet
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCK_PREFIX = "redlock:lock:"
 
 needs_postgresql = pytest.mark.skipif(
     not os.environ.get("DATABASE_URL"),
@@ -252,7 +252,7 @@ def test_a_product_lock_held_elsewhere_is_423(
     settings.REDLOCK = {**redlock_settings, "WAIT_TIMEOUT": 0.2}
     product = make_product(10)
     for node in nodes:
-        node.clog(f"{LOCK_PREFIX}shop.product:{product.pk}")
+        node.clog(lock_key(f"shop.product:{product.pk}"))
     status, body = buy(client, product.pk)
     assert status == 423
     assert body["error"] == "locked"
@@ -271,7 +271,7 @@ def test_a_customer_lock_held_elsewhere_is_423(
     settings.REDLOCK = {**redlock_settings, "WAIT_TIMEOUT": 0.2}
     product = make_product(10)
     for node in nodes:
-        node.clog(f"{LOCK_PREFIX}shop:customer:alice")
+        node.clog(lock_key("shop:customer:alice"))
     status, body = buy(client, product.pk, "alice")
     assert (status, body["error"], body["resource"]) == (
         423,

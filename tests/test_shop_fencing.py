@@ -28,12 +28,11 @@ from typing import Any
 
 import pytest
 
-from tests._nodes import NodeSet
+from harness.held import lock_key
+from harness.nodes import NodeSet
 from tests.test_shop import ROOT, ShopServers, request, shop_servers
 
 __all__ = ["shop_servers"]  # the fixture, imported for the tests below
-
-LOCK_KEY = "redlock:lock:shop.product:{id}"
 
 
 def _seed(servers: ShopServers, stock: int) -> int:
@@ -82,7 +81,7 @@ def _stale_sale(
     Returns A's reply, B's reply and the product id.
     """
     product_id = _seed(servers, 10)
-    key = LOCK_KEY.format(id=product_id)
+    key = lock_key(f"shop.product:{product_id}")
 
     def url(base: str) -> str:
         return f"{base}/shop/products/{product_id}/{path}/"
@@ -227,7 +226,7 @@ def test_a_buyer_frozen_in_payment_and_its_successor_sell_the_last_unit_once(
     fast = shop_servers.start(workers=1, **env)
     worker_a, worker_b = (_children(p.pid)[0] for p in shop_servers.processes)
     product_id = _seed(shop_servers, 1)
-    key = LOCK_KEY.format(id=product_id)
+    key = lock_key(f"shop.product:{product_id}")
     url = path.format(id=product_id)
     a_thread, a_reply = _in_background(
         f"{slow}/{url}", {"customer": "a", "quantity": 1}

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from harness.held import lock_key
 from redlock_django import QuorumUnavailableError, Redlock, metrics, signals
 
 
@@ -52,9 +53,9 @@ def test_acquire_and_release_send_their_timings(
 def test_contention_and_quorum_failure_are_signalled(
     sent: list[Any], nodes: Any, redlock_settings: dict[str, Any]
 ) -> None:
-    nodes[0].clog("redlock:lock:busy")
-    nodes[1].clog("redlock:lock:busy")
-    nodes[2].clog("redlock:lock:busy")
+    nodes[0].clog(lock_key("busy"))
+    nodes[1].clog(lock_key("busy"))
+    nodes[2].clog(lock_key("busy"))
     assert not Redlock("busy").acquire(blocking=False)
     for node in nodes[:3]:
         node.stop()
@@ -111,9 +112,9 @@ def test_metrics_count_acquisitions_contention_and_holds(
     lock = Redlock("metered")
     lock.acquire()
     assert sample("redlock_held") == held + 1
-    nodes[0].clog("redlock:lock:other")
-    nodes[1].clog("redlock:lock:other")
-    nodes[2].clog("redlock:lock:other")
+    nodes[0].clog(lock_key("other"))
+    nodes[1].clog(lock_key("other"))
+    nodes[2].clog(lock_key("other"))
     Redlock("other").acquire(blocking=False)
     lock.release()
     assert sample("redlock_acquire_seconds_count", {"outcome": "acquired"}) == (

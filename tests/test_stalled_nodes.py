@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
 from redlock_django import QuorumUnavailableError, Redlock, sync
 from redlock_django.scripts import ACQUIRE_SCRIPT, RELEASE_SCRIPT
-from tests._nodes import NodeSet
-from tests._proxy import FaultProxy
 
 NODE_TIMEOUT = 0.1
 

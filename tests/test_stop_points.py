@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 
+from harness.held import tokens
+from harness.nodes import NodeSet
 from redlock_django import Redlock
 from tests._holders import FENCED_WRITE
-from tests._nodes import NodeSet
 
 ROOT = Path(__file__).resolve().parent.parent
 TTL = 0.5
@@ -99,10 +100,6 @@ def staged(nodes: NodeSet) -> Iterator[Any]:
         child.close()
 
 
-def _tokens(nodes: NodeSet, resource: str) -> list[bytes | None]:
-    return [n.client().hget(f"redlock:lock:{resource}", "token") for n in nodes]
-
-
 def test_holder_frozen_after_sending_its_acquire_refuses_the_late_grant(
     redlock_settings: dict[str, Any], nodes: NodeSet, staged: Any
 ) -> None:
@@ -112,7 +109,7 @@ def test_holder_frozen_after_sending_its_acquire_refuses_the_late_grant(
     time.sleep(TTL + 0.1)  # its keys expire on every node while it is frozen
     second = Redlock("stop:send", ttl=10)
     assert second.acquire(blocking=False)
-    ours = _tokens(nodes, "stop:send")
+    ours = tokens(nodes, "stop:send")
     result = child.resume()
     # The grants it reads now are older than its lease: not acquired, and its
     # clean-up left the second holder's keys alone.
@@ -122,7 +119,7 @@ def test_holder_frozen_after_sending_its_acquire_refuses_the_late_grant(
         "acquired": False,
         "error": "QuorumUnavailableError",
     }
-    assert _tokens(nodes, "stop:send") == ours
+    assert tokens(nodes, "stop:send") == ours
     second.release()
 
 
@@ -145,7 +142,7 @@ def test_holder_frozen_after_its_validity_check_learns_its_lease_is_gone(
     assert result["acquired"] is True
     assert result["owned"] is False and result["lost"] is True
     assert result["release"] == "LockLostError"
-    assert None not in _tokens(nodes, "stop:validity")
+    assert None not in tokens(nodes, "stop:validity")
     second.release()
 
 

@@ -3,7 +3,7 @@
 A lock is granted only if a quorum said yes *and* time is left after the replies
 came back: ``validity = ttl - elapsed - (ttl * drift_factor + 2 ms)``, where
 ``elapsed`` runs from before the first request to after the last reply. The
-latency comes from ``tests/_proxy.py`` proxies in front of real Redis nodes, and the
+latency comes from ``harness/proxy.py`` proxies in front of real Redis nodes, and the
 "process pause" of Kleppmann's critique is a real SIGSTOP of a child process.
 """
 
@@ -22,6 +22,10 @@ from typing import Any
 
 import pytest
 
+from harness.held import lock_key
+from harness.nodes import NodeSet
+from harness.processes import process_state
+from harness.proxy import FaultProxy
 from redlock_django import (
     LockLostError,
     QuorumUnavailableError,
@@ -34,8 +38,6 @@ from redlock_django.scripts import (
     PTTL_SCRIPT,
     RELEASE_SCRIPT,
 )
-from tests._nodes import NodeSet, process_state
-from tests._proxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,10 +48,6 @@ DRIFT_FACTOR = 0.01
 
 def drift(ttl: float, drift_factor: float = DRIFT_FACTOR) -> float:
     return ttl * drift_factor + 0.002
-
-
-def lock_key(resource: str) -> str:
-    return f"{PREFIX}:lock:{resource}"
 
 
 @pytest.fixture

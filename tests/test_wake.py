@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
+from harness.held import lock_key
+from harness.nodes import NodeSet
 from redlock_django import Redlock, nodes, signals, wake
 from redlock_django.conf import get_settings
-from tests._nodes import NodeSet
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
@@ -262,7 +263,7 @@ def test_a_waiter_is_not_woken_by_the_clean_up_of_its_own_failed_attempt(
     woken by its own clean-up's announcement and retry at once, ~3,000/s)."""
     settings.REDLOCK = {**redlock_settings, "RETRY_DELAY": 0.2, "RETRY_JITTER": 0.0}
     for node in nodes[2:]:
-        node.clog("redlock:lock:self-wake", ttl=5)
+        node.clog(lock_key("self-wake"), ttl=5)
     lock = Redlock("self-wake")
     before = [_evals(node) for node in nodes[:2]]
     if mode == "sync":

@@ -2,7 +2,7 @@
 
 Starts its own redis-server nodes (as the tests do), runs uncontended cycles on
 fresh keys with the metrics receivers connected and disconnected, interleaved, and
-prints the medians and their ratio. Usage: python -m loadtests.bench_metrics
+prints the medians and their ratio. Usage: python -m benchmarks.metrics
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
 
-    from tests._nodes import NodeSet
+    from harness.nodes import NodeSet
 
     with tempfile.TemporaryDirectory() as tmp:
         nodes = NodeSet.create(args.nodes, Path(tmp))

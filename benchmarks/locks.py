@@ -17,9 +17,9 @@ configures Django itself, and measures:
 
 Usage::
 
-    .venv/bin/python -m loadtests.bench_locks            # about 3 minutes
-    .venv/bin/python -m loadtests.bench_locks --quick    # about 1 minute
-    .venv/bin/python -m loadtests.bench_locks --json out.json
+    .venv/bin/python -m benchmarks.locks            # about 3 minutes
+    .venv/bin/python -m benchmarks.locks --quick    # about 1 minute
+    .venv/bin/python -m benchmarks.locks --json out.json
 
 The peers come from the ``bench`` extra (``pip install -e '.[bench]'``). A peer
 that is not installed is skipped. Everything is bounded in time; every process and
@@ -583,9 +583,9 @@ class SlowNode:
 
 def run_slow_node(ports: Sequence[int], urls: Sequence[str], samples: int) -> SlowNode:
     """Acquire + release ``samples`` fresh locks while node 5 answers 200 ms late."""
+    from harness.proxy import FaultProxy
     from redlock_django import Redlock
     from redlock_django.conf import get_settings
-    from tests._proxy import FaultProxy
 
     result = SlowNode(get_settings().node_timeout, SLOW_DELAY)
     with FaultProxy(ports[4]) as proxy:
@@ -902,7 +902,7 @@ def machine() -> dict[str, str]:
                 break
     except OSError:
         pass
-    from tests._nodes import find_redis_server
+    from harness.nodes import find_redis_server
 
     version = subprocess.run(
         [find_redis_server(), "--version"], capture_output=True, text=True
@@ -959,7 +959,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         reps, seconds, warmup, contended_seconds = 5, 0.8, 100, 8.0
 
-    from tests._nodes import NodeSet
+    from harness.nodes import NodeSet
 
     info = machine()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)

@@ -1,4 +1,4 @@
-"""Real ``redis-server`` processes for the test suite: one per Redlock node.
+"""Real ``redis-server`` processes for the tests, the demo and the benchmarks.
 
 Each :class:`RedisNode` owns one ``redis-server`` child process (not daemonized, so
 the PID is ours) on a free loopback port, in its own directory. Tests crash it
@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import os
 import shutil
 import signal
@@ -34,6 +31,8 @@ from typing import Any, overload
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from harness.processes import die_with_parent, process_state
 
 HOST = "127.0.0.1"
 START_TIMEOUT = 10.0
@@ -74,22 +73,6 @@ def free_port() -> int:
         return port
 
 
-def process_state(pid: int) -> str | None:
-    """Return the one-letter state of ``pid`` ("T": stopped), or ``None`` if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        if Path("/proc/self/stat").exists():
-            return None
-    else:
-        return stat.rsplit(")", 1)[1].split()[0]
-    # No procfs (macOS): ask ps.
-    result = subprocess.run(
-        ["ps", "-o", "state=", "-p", str(pid)], capture_output=True, text=True
-    )
-    return result.stdout.strip()[:1] or None
-
-
 class RedisNodeError(RuntimeError):
     """A redis-server process could not be started or did not answer."""
 
@@ -111,37 +94,6 @@ def _kill_leftovers() -> None:
 
 
 atexit.register(_kill_leftovers)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name, use_errno=True) if name else None
-
-
-def _die_with_parent_hook() -> Any:
-    """Return a ``preexec_fn`` that makes the child die when this process dies.
-
-    Linux only. ``PR_SET_PDEATHSIG`` fires when the *thread* that forked exits,
-    so it is only used from the main thread, which lives as long as pytest.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    libc = _libc()
-    if libc is None:
-        return None
-    parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def hook() -> None:
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-        # The parent may have died before prctl ran: then nobody would kill us.
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return hook
 
 
 class RedisNode:
@@ -394,7 +346,7 @@ class RedisNode:
                 # Keep a terminal's Ctrl-C away from the servers, so teardown
                 # stops them in order instead of racing their own shutdown.
                 start_new_session=True,
-                preexec_fn=_die_with_parent_hook(),
+                preexec_fn=die_with_parent(),
             )
         self._process = process
         self._paused = False

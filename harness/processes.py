@@ -1,0 +1,171 @@
+"""Child processes that cannot outlive the run: process groups, PR_SET_PDEATHSIG.
+
+The demo, the chaos tool and the tests start app servers, Locust and helpers here,
+each in its own process group, and stop them as groups; the same parent-death hook
+keeps ``redis-server`` nodes (:mod:`harness.nodes`) from outliving a killed run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+PREFERRED_PORTS = range(8001, 8100)
+STOP_TIMEOUT = 8.0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def die_with_parent() -> Any:
+    """Return a ``preexec_fn`` that makes the child die when this process dies.
+
+    Linux only. ``PR_SET_PDEATHSIG`` fires when the *thread* that forked exits,
+    so it is only used from the main thread, which lives as long as the run.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    libc = _libc()
+    if libc is None:
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        # The parent may have died before prctl ran: then nobody would kill us.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return hook
+
+
+def process_state(pid: int) -> str | None:
+    """Return the one-letter state of ``pid`` ("T": stopped), or ``None`` if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+    else:
+        return stat.rsplit(")", 1)[1].split()[0]
+    # No procfs (macOS): ask ps.
+    result = subprocess.run(
+        ["ps", "-o", "state=", "-p", str(pid)], capture_output=True, text=True
+    )
+    return result.stdout.strip()[:1] or None
+
+
+def port_is_free(port: int) -> bool:
+    """Return whether a TCP port on the loopback address can be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+        return True
+
+
+def pick_ports(count: int) -> list[int]:
+    """Return ``count`` free ports, 8001, 8002, ... when those are free."""
+    ports: list[int] = []
+    for port in PREFERRED_PORTS:
+        if len(ports) == count:
+            break
+        if port_is_free(port):
+            ports.append(port)
+    while len(ports) < count:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+class Children:
+    """Child processes, each in its own process group, stopped as groups."""
+
+    def __init__(self) -> None:
+        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(
+        self, name: str, command: list[str], env: dict[str, str], log: Path
+    ) -> subprocess.Popen[bytes]:
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                command,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                # Own session: a terminal's Ctrl-C reaches only this script,
+                # which then stops each group in order.
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
+        self.processes.append((name, process))
+        return process
+
+    def stop(self, process: subprocess.Popen[bytes]) -> None:
+        """SIGTERM the process's group, SIGKILL it after a while; reap it."""
+        group = process.pid  # start_new_session: the group id is the pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        try:
+            process.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+            process.wait(STOP_TIMEOUT)
+        # Workers left behind by a master that died first.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+    def stop_all(self) -> None:
+        for _, process in reversed(self.processes):
+            self.stop(process)
+        self.processes.clear()
+
+
+def gunicorn_workers(master: int) -> list[int]:
+    """Return the pids of the worker processes of a gunicorn master (Linux)."""
+    workers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == master:  # fields: state, ppid, ...
+            workers.append(int(entry.name))
+    return sorted(workers)
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """Return the last ``lines`` lines of a child's log, or say there is none."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
