@@ -21,10 +21,10 @@ class RedlockConfig(AppConfig):
         test changes ``REDLOCK`` or ``CACHES``, even where this app is not installed.
         """
         from . import checks as redlock_checks
-        from . import decorators, metrics
+        from . import metrics
 
         checks.register(redlock_checks.check_settings, redlock_checks.TAG)
         # Templates naming a URL kwarg that no route to the view supplies.
-        checks.register(decorators.check_url_placeholders, checks.Tags.urls)
+        checks.register(redlock_checks.check_url_placeholders, checks.Tags.urls)
         # Recorded whenever prometheus_client is installed; a no-op otherwise.
         metrics.install()
