@@ -22,7 +22,7 @@ class RedlockConfig(AppConfig):
         not installed.
         """
         from . import checks as redlock_checks
-        from . import decorators, metrics
+        from . import metrics
 
         checks.register(redlock_checks.check_settings, redlock_checks.TAG)
         checks.register(
@@ -32,6 +32,6 @@ class RedlockConfig(AppConfig):
             deploy=True,
         )
         # Templates naming a URL kwarg that no route to the view supplies.
-        checks.register(decorators.check_url_placeholders, checks.Tags.urls)
+        checks.register(redlock_checks.check_url_placeholders, checks.Tags.urls)
         # Recorded whenever prometheus_client is installed; a no-op otherwise.
         metrics.install()

@@ -29,6 +29,8 @@ Errors:
   promote it without the keys its master granted.
 - E013 (deploy) two nodes are one server (same ``run_id`` and database) reached
   by different addresses, which the static E005 cannot see (DNS names, proxies).
+- E020 (tag ``urls``) a URL pattern routes to a ``distributed_lock`` view without a
+  kwarg its resource template names.
 - E101 a ``FencingTokenField`` with ``null=True``: NULL < token is never true, so
   every fenced write of such a row would be refused.
 - E102 a ``FencingTokenField`` whose default is not an integer <= 0: tokens start
@@ -62,15 +64,17 @@ Warnings:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
 from django.apps import AppConfig
 from django.core.checks import CheckMessage, Error, Warning
 from django.core.exceptions import ImproperlyConfigured
+from django.urls import URLPattern, URLResolver, get_resolver
 
 from . import address, conf, nodes
+from .decorators import Guard, guards_of, name_of
 
 __all__ = [
     "E001",
@@ -86,6 +90,7 @@ __all__ = [
     "E011",
     "E012",
     "E013",
+    "E020",
     "E101",
     "E102",
     "HINTS",
@@ -100,6 +105,7 @@ __all__ = [
     "W007",
     "check_nodes",
     "check_settings",
+    "check_url_placeholders",
     "fencing_token_default",
     "fencing_token_null",
 ]
@@ -334,3 +340,93 @@ def _persistence(persistence: dict[str, Any], fsync: object) -> str | None:
     if policy == "always":
         return None
     return f"appendonly yes and appendfsync {policy or '?'}"
+
+
+# E020: a URL pattern routing to a locked view without a kwarg its template names.
+# Registered by the app under Django's ``urls`` tag, not ``redlock``: it reads the
+# URLconf, not the setting.
+
+
+#: A URL pattern routes to a locked view without a kwarg its resource template
+#: names.
+E020 = "redlock.E020"
+_E020_MSG = (
+    "lock resource {source!r} of view {view} names {{{name}}}, which URL pattern "
+    "{route!r} never passes to the view"
+)
+_E020_HINT = (
+    "Capture <{name}> in the route, pass it in the pattern's kwargs, or use a "
+    "request attribute such as {{request.user.pk}}."
+)
+
+
+def _route_names(pattern: Any) -> frozenset[str]:
+    regex = getattr(pattern, "regex", None)
+    return frozenset(getattr(regex, "groupindex", {}) or {})
+
+
+def _walk(
+    patterns: Sequence[Any], supplied: frozenset[str], prefix: str
+) -> Iterator[tuple[URLPattern, frozenset[str], str]]:
+    for entry in patterns:
+        names = supplied | _route_names(entry.pattern)
+        route = prefix + str(entry.pattern)
+        if isinstance(entry, URLResolver):
+            names |= frozenset(entry.default_kwargs)
+            yield from _walk(entry.url_patterns, names, route)
+        elif isinstance(entry, URLPattern):
+            yield entry, names | frozenset(entry.default_args), route
+
+
+def _view_guards(callback: Any) -> Iterator[tuple[Guard, str]]:
+    found: list[tuple[Guard, str]] = []
+    view_class = getattr(callback, "view_class", None)
+    if view_class is not None:
+        name = name_of(view_class)
+        found.extend(
+            (g, name) for g in guards_of(getattr(view_class, "dispatch", None))
+        )
+        mixin_guard = getattr(view_class, "_redlock_guard", None)
+        if isinstance(mixin_guard, Guard):
+            found.append((mixin_guard, name))
+    found.extend((guard, name_of(callback)) for guard in guards_of(callback))
+    # as_view() copies the attributes of dispatch onto the view function.
+    seen: set[int] = set()
+    for guard, name in found:
+        if id(guard) not in seen:
+            seen.add(id(guard))
+            yield guard, name
+
+
+def check_url_placeholders(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Report URL patterns routing to a locked view without a kwarg it names.
+
+    Registered by the app under the ``urls`` tag; it reads the root URLconf only.
+    """
+    try:
+        entries = list(_walk(get_resolver().url_patterns, frozenset(), ""))
+    except Exception:
+        # A broken URLconf is reported by Django's own urls check.
+        return []
+    errors: list[CheckMessage] = []
+    for entry, supplied, route in entries:
+        for guard, view_name in _view_guards(entry.callback):
+            if guard.template is None:
+                continue
+            for name in sorted(guard.template.kwargs - supplied):
+                errors.append(
+                    Error(
+                        _E020_MSG.format(
+                            source=guard.template.source,
+                            view=view_name,
+                            name=name,
+                            route=route,
+                        ),
+                        hint=_E020_HINT.format(name=name),
+                        obj=entry,
+                        id=E020,
+                    )
+                )
+    return errors

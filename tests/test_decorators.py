@@ -30,12 +30,8 @@ from django.views import View
 
 from harness.held import lock_key, tokens
 from redlock_django import Redlock
-from redlock_django.decorators import (
-    E020,
-    DistributedLockMixin,
-    check_url_placeholders,
-    distributed_lock,
-)
+from redlock_django.checks import E020, check_url_placeholders
+from redlock_django.decorators import DistributedLockMixin, distributed_lock
 from tests import views
 from tests.models import Counter
 

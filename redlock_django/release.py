@@ -1,0 +1,229 @@
+"""When a decorated view's lock is released: after the commit, exactly once.
+
+The lock is released when the view returns or raises; a failed release
+is logged and never masks the view's exception. When the view returns inside a
+database transaction (``ATOMIC_REQUESTS`` or an outer ``atomic()``), the release
+waits for the commit (``transaction.on_commit``): released earlier, the next
+holder would read data this one has not committed yet. A rollback drops
+on-commit callbacks, so the response also carries a closer that releases when
+the response is closed (after the handler's transaction has ended). A COMMIT
+that fails (a deferred constraint, a serialization failure) drops that response
+for a 500: then ``request_finished``, sent on the view's thread when the 500
+closes, releases, unless the transaction the lock waits for is still open.
+Whichever comes first releases, exactly once. When the view raises, the lock is
+released at once: its transaction rolls back. The lock covers the view call, not
+the streaming of a ``StreamingHttpResponse``'s content after it. A blocking lock
+is owned by the view's thread, which is where Django's WSGI and ASGI handlers
+close responses; a response closed on another thread (Django's test
+``AsyncClient`` does that) cannot release, and a WARNING says the lock is left
+to its lease. Async views cannot run inside ``atomic()``, so they release when
+they return, raise, or are cancelled (Django cancels the view's task when an
+ASGI client disconnects).
+
+A lease lost while the view ran (it outlived ``ttl``) is logged at ERROR with the
+resource, the time held and the TTL, and the response is still returned: by then
+the view's work is done and committed, so a 500 would tell the client it failed
+when it did not, and undo nothing. A view that must not commit after losing its
+lease checks ``request.redlock.owned()`` (or uses fencing tokens) before writing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.core.signals import request_finished
+from django.db import connections, transaction
+
+from .exceptions import LockLostError, LockNotOwnedError
+from .lock import Redlock
+
+__all__ = ["Held"]
+
+# These records are about the decorated view, and LOGGING configurations name the
+# decorator's logger: keep logging under it.
+logger = logging.getLogger("redlock_django.decorators")
+
+
+# This thread's holds waiting for a commit: released at the latest when the
+# request finishes. A thread-local, not one receiver per hold: a weakly connected
+# receiver would die with the hold (nothing else refers to it once the response is
+# dropped), and a strong one would stay connected when the signal never comes.
+_waiting_holds = threading.local()
+
+
+def _thread_holds() -> list[Held]:
+    holds: list[Held] | None = getattr(_waiting_holds, "holds", None)
+    if holds is None:
+        holds = _waiting_holds.holds = []
+    return holds
+
+
+def _release_when_finished(sender: object, **kwargs: Any) -> None:
+    """Release this thread's holds whose transactions ended without committing.
+
+    A failed COMMIT (a deferred constraint, a serialization failure) makes Django
+    drop the view's response, closer included, and serve a 500; a rollback drops
+    the on-commit callbacks. Django's handlers send ``request_finished`` on the
+    view's thread when the response that was served closes.
+    """
+    holds = getattr(_waiting_holds, "holds", None)
+    if not holds:
+        return
+    for held in list(holds):
+        if not held.may_still_commit():
+            held.release()
+
+
+request_finished.connect(
+    _release_when_finished, dispatch_uid=f"{__name__}._release_when_finished"
+)
+
+
+class Held:
+    """One request's hold: released exactly once, after the commit if any."""
+
+    def __init__(self, lock: Redlock, ttl: float, view_name: str) -> None:
+        self.lock = lock
+        self.ttl = ttl
+        self.view_name = view_name
+        self.started = time.monotonic()
+        #: The blocking API's owner is the thread that acquired.
+        self.thread = threading.current_thread()
+        self._done = False
+        self._mutex = threading.Lock()
+        self._waiting: set[str] = set()
+        #: The on-commit callback registered on each database alias.
+        self._callbacks: dict[str, Callable[[], None]] = {}
+
+    def _claim(self) -> bool:
+        with self._mutex:
+            if self._done:
+                return False
+            self._done = True
+            return True
+
+    def _log_failure(self, exc: Exception, raised: bool) -> None:
+        resource = self.lock.resource
+        outcome = (
+            "the view's exception propagates"
+            if raised
+            else "the response is returned anyway"
+        )
+        if isinstance(exc, LockLostError):
+            logger.error(
+                "redlock %r lost while view %s held it: held %.3fs with a ttl of "
+                "%.3fs (%s); %s",
+                resource,
+                self.view_name,
+                time.monotonic() - self.started,
+                self.ttl,
+                exc,
+                outcome,
+            )
+        elif isinstance(exc, LockNotOwnedError):
+            logger.warning(
+                "redlock %r was already released when view %s finished: %s",
+                resource,
+                self.view_name,
+                exc,
+            )
+        else:
+            logger.error(
+                "redlock %r: release after view %s failed; its lease ends within "
+                "%.3fs; %s",
+                resource,
+                self.view_name,
+                self.ttl,
+                outcome,
+                exc_info=exc,
+            )
+
+    def release(self, *, raised: bool = False) -> None:
+        """Release now, on the acquiring thread; log, never raise."""
+        holds = getattr(_waiting_holds, "holds", None)
+        if holds and self in holds:
+            holds.remove(self)
+        if not self._claim():
+            return
+        if threading.current_thread() is not self.thread:
+            # Only the owner can release. Django's handlers close responses on
+            # the view's thread; its test AsyncClient does not.
+            logger.warning(
+                "redlock %r of view %s: the response was closed on another thread "
+                "than the view's, so the lock is left to expire within %.3fs",
+                self.lock.resource,
+                self.view_name,
+                self.ttl,
+            )
+            return
+        try:
+            self.lock.release()
+        except Exception as exc:
+            self._log_failure(exc, raised)
+
+    async def arelease(self, *, raised: bool = False) -> None:
+        """Release now from the acquiring task; log, never raise."""
+        if not self._claim():
+            return
+        try:
+            await self.lock.arelease()
+        except Exception as exc:
+            self._log_failure(exc, raised)
+
+    def release_after_commit(self, response: object) -> None:
+        """Release after the open transactions commit, or when ``response`` closes."""
+        aliases = [
+            connection.alias
+            for connection in connections.all(initialized_only=True)
+            if connection.in_atomic_block
+        ]
+        if not aliases:
+            self.release()
+            return
+        self._waiting = set(aliases)
+        for alias in aliases:
+            callback = functools.partial(self._committed, alias)
+            self._callbacks[alias] = callback
+            transaction.on_commit(callback, using=alias)
+        # On rollback the on-commit callbacks are dropped; the handler closes the
+        # response after its transaction has ended, whichever way it ended. When
+        # the COMMIT itself fails, that response is dropped for a 500, whose
+        # request_finished releases (_release_when_finished).
+        _thread_holds().append(self)
+        closers = getattr(response, "_resource_closers", None)
+        if isinstance(closers, list):
+            closers.append(self.release)
+        else:
+            logger.warning(
+                "redlock %r: view %s returned %r, which has no closer; after a "
+                "rollback the lock is held until the request finishes or its "
+                "lease ends",
+                self.lock.resource,
+                self.view_name,
+                type(response).__name__,
+            )
+
+    def may_still_commit(self) -> bool:
+        """Tell whether a transaction this hold waits for is still open.
+
+        Its on-commit callback is still queued until the transaction commits (and
+        runs it) or rolls back (and drops it), so a ``request_finished`` of some
+        other request sent meanwhile on this thread does not release early.
+        """
+        for alias, callback in self._callbacks.items():
+            queued = getattr(connections[alias], "run_on_commit", ())
+            if any(callback in entry for entry in queued):
+                return True
+        return False
+
+    def _committed(self, alias: str) -> None:
+        with self._mutex:
+            self._waiting.discard(alias)
+            ready = not self._waiting
+        if ready:
+            self.release()
