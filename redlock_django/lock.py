@@ -4,7 +4,8 @@ One object describes a lock (its resource and options); who holds it is tracked 
 *owner*: the current thread for the blocking API, the current asyncio task for the
 ``a``-prefixed API. So one object can be shared, an owner can re-acquire what it
 holds (only its outermost release frees it), and nobody can release another
-owner's hold. Settings are read at first use, never at import time.
+owner's hold (the holds themselves live in ``holds.py``). Settings are read at first
+use, never at import time.
 """
 
 from __future__ import annotations
@@ -12,24 +13,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
-import os
 import random
 import secrets
-import socket
 import threading
 import time
-import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
 
-from . import aio, nodes, signals, sync, wake
+from . import aio, holds, nodes, signals, sync, wake
 from .conf import (
     NodeSpec,
     RedlockSettings,
@@ -44,6 +40,7 @@ from .exceptions import (
     LockNotOwnedError,
     QuorumUnavailableError,
 )
+from .holds import Hold
 from .keys import MAX_NAME_LENGTH, check_resource, fence_key, lock_key
 from .protocol import (
     Extension,
@@ -75,7 +72,7 @@ _jitter = random.random
 
 
 @dataclass(frozen=True)
-class _Config:
+class Config:
     """A lock's options resolved against the settings of the moment."""
 
     spec: LockSpec
@@ -87,175 +84,6 @@ class _Config:
     wake_ups: bool
     #: Identifies the lock across ``Redlock`` objects: same nodes, same key.
     identity: tuple[Any, ...]
-
-
-@dataclass(eq=False)
-class _Hold:
-    """One owner's hold of one lock."""
-
-    lease: Lease
-    config: _Config
-    #: The object that acquired it, sent with the signals.
-    lock: Redlock
-    depth: int = 1
-    watchdog: Watchdog | None = None
-    lost_reported: bool = False
-    #: Release fan-outs started; a retry finds the keys its first try deleted.
-    releases: int = 0
-    #: Held through every extension of this hold (manual or by the watchdog), so
-    #: they never overlap: the lease is always the one the nodes applied last.
-    extending: threading.Lock = field(default_factory=threading.Lock)
-    _aextending: asyncio.Lock | None = None
-
-    def aextending(self) -> asyncio.Lock:
-        """The asyncio twin of ``extending``, for holds taken by a task."""
-        if self._aextending is None:
-            self._aextending = asyncio.Lock()
-        return self._aextending
-
-
-def _report_lost(hold: _Hold, reason: str) -> None:
-    """Send ``lock_lost`` once per hold."""
-    if hold.lost_reported:
-        return
-    hold.lost_reported = True
-    signals.lock_lost.send(
-        sender=Redlock,
-        lock=hold.lock,
-        resource=hold.config.spec.resource,
-        held=_clock() - hold.lease.acquired,
-        reason=reason,
-    )
-
-
-# owner (a Thread or an asyncio Task) -> lock identity -> hold. Weak keys, so the
-# holds of an owner that ended without releasing do not outlive it.
-_holds: weakref.WeakKeyDictionary[object, dict[tuple[Any, ...], _Hold]] = (
-    weakref.WeakKeyDictionary()
-)
-# owner -> lock identity -> (levels, why): a hold found lost and replaced by a new
-# acquisition while ``levels`` outer ``with`` blocks were still open on it; their
-# releases raise LockLostError instead of finding nothing (see ``_replace``).
-_replaced: weakref.WeakKeyDictionary[object, dict[tuple[Any, ...], list[Any]]] = (
-    weakref.WeakKeyDictionary()
-)
-_holds_lock = threading.Lock()
-
-
-_inherited: list[object] = []
-
-
-def _forget_parent_holds() -> None:
-    """In a forked child: start with no holds or locks of the parent.
-
-    Holds are keyed by the Thread object, which survives fork(): without this a
-    child's acquire would re-enter its parent's hold with no network call. The
-    lock is made anew, as a parent thread may have held it at the fork.
-    """
-    global _holds, _replaced, _holds_lock
-    # The parent's holds are kept, never collected: collecting a watchdog task
-    # would run its clean-up code in the child, on the parent's connections.
-    _inherited.append((_holds, _replaced))
-    _holds = weakref.WeakKeyDictionary()
-    _replaced = weakref.WeakKeyDictionary()
-    _holds_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_parent_holds)
-
-
-def _sync_owner(method: str) -> object:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return threading.current_thread()
-    raise RuntimeError(
-        f"Redlock.{method}() blocks and cannot run inside an event loop; "
-        f"use 'await lock.a{method}()' or 'async with lock'"
-    )
-
-
-def _async_owner(method: str) -> object:
-    task = asyncio.current_task()
-    if task is None:
-        raise RuntimeError(f"Redlock.a{method}() must run inside an asyncio task")
-    return task
-
-
-def _current_owner() -> object:
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:
-        task = None
-    return task if task is not None else threading.current_thread()
-
-
-def _get_hold(owner: object, identity: tuple[Any, ...]) -> _Hold | None:
-    with _holds_lock:
-        return _holds.get(owner, {}).get(identity)
-
-
-def _put_hold(owner: object, identity: tuple[Any, ...], hold: _Hold) -> None:
-    with _holds_lock:
-        _holds.setdefault(owner, {})[identity] = hold
-
-
-def _drop_hold(owner: object, identity: tuple[Any, ...]) -> None:
-    with _holds_lock:
-        held = _holds.get(owner)
-        if held is not None:
-            held.pop(identity, None)
-            if not held:
-                del _holds[owner]
-
-
-def _note_replaced(owner: object, identity: tuple[Any, ...], hold: _Hold) -> None:
-    """Remember the open levels of a lost hold that a new acquisition replaces."""
-    why = hold.lease.lost or "its lease ran out"
-    with _holds_lock:
-        _replaced.setdefault(owner, {})[identity] = [hold.depth, why]
-
-
-def _pop_replaced(owner: object, identity: tuple[Any, ...]) -> str | None:
-    """Close one level of a replaced hold: why it was lost, or None if none is open."""
-    with _holds_lock:
-        entries = _replaced.get(owner)
-        entry = None if entries is None else entries.get(identity)
-        if entry is None:
-            return None
-        entry[0] -= 1
-        if entry[0] <= 0:
-            del entries[identity]  # type: ignore[union-attr]
-            if not entries:
-                del _replaced[owner]
-        return str(entry[1])
-
-
-@functools.cache
-def _hostname() -> str:
-    return socket.gethostname()
-
-
-@functools.lru_cache(maxsize=1024)
-def _meta_head(pid: int, holder: str, ttl: float, label: str) -> str:
-    """The holder metadata JSON without its closing brace and acquisition time."""
-    fields = {"host": _hostname(), "pid": pid, "holder": holder, "ttl": ttl}
-    return json.dumps({**fields, "label": label}, separators=(",", ":"))[:-1]
-
-
-def _conflict(held: _Config, wanted: _Config) -> tuple[str, Any, Any] | None:
-    """Name the first option in which a re-entry differs from the hold it enters."""
-    pairs: list[tuple[str, Any, Any]] = [
-        ("ttl", held.spec.ttl, wanted.spec.ttl),
-        ("fencing", held.spec.fence_key is not None, wanted.spec.fence_key is not None),
-        ("auto_extend", held.auto_extend, wanted.auto_extend),
-    ]
-    if held.auto_extend:
-        pairs.append(("max_hold", held.max_hold, wanted.max_hold))
-    for name, held_value, wanted_value in pairs:
-        if held_value != wanted_value:
-            return name, held_value, wanted_value
-    return None
 
 
 class Redlock:
@@ -315,7 +143,7 @@ class Redlock:
         self.retry_jitter = retry_jitter
         self.node_timeout = node_timeout
         self.drift_factor = drift_factor
-        self._config: _Config | None = None
+        self._config: Config | None = None
         self._config_from: RedlockSettings | None = None
 
     def __repr__(self) -> str:
@@ -323,7 +151,7 @@ class Redlock:
 
     # Configuration, resolved at first use and again when settings change.
 
-    def _resolve(self) -> _Config:
+    def _resolve(self) -> Config:
         settings = get_settings()
         config = self._config
         if config is not None and self._config_from is settings:
@@ -362,7 +190,7 @@ class Redlock:
             retry_jitter=merged.retry_jitter,
             fence_key=fence_key(self.resource, prefix) if self.fencing else None,
         )
-        config = _Config(
+        config = Config(
             spec=spec,
             nodes=merged.nodes,
             node_timeout=node_timeout,
@@ -376,7 +204,7 @@ class Redlock:
         return config
 
     def _wait(
-        self, config: _Config, blocking: bool, timeout: float | None
+        self, config: Config, blocking: bool, timeout: float | None
     ) -> float | None:
         if not blocking:
             if timeout is not None:
@@ -390,16 +218,9 @@ class Redlock:
             raise ValueError(f"timeout must be a number of seconds, not {timeout!r}")
         return None if timeout < 0 else float(timeout)
 
-    def _meta(self, config: _Config, holder: str) -> str:
-        # The same JSON object as json.dumps of all six fields, with the fixed
-        # part encoded once per (pid, holder, ttl, label): only the time changes.
-        head = _meta_head(os.getpid(), holder, config.spec.ttl, self.label)
-        now = datetime.now(UTC).isoformat(timespec="milliseconds")
-        return f'{head},"acquired_at":"{now}"}}'
-
-    def _reenter(self, hold: _Hold, config: _Config) -> None:
+    def _reenter(self, hold: Hold, config: Config) -> None:
         """Nest one more level in ``hold``, if this object's options agree with it."""
-        conflict = _conflict(hold.config, config)
+        conflict = holds.conflict(hold.config, config)
         if conflict is not None:
             name, held_value, wanted = conflict
             raise ValueError(
@@ -410,7 +231,7 @@ class Redlock:
             )
         hold.depth += 1
 
-    def _replace(self, owner: object, hold: _Hold) -> None:
+    def _replace(self, owner: object, hold: Hold) -> None:
         """Drop a hold found lost or run out, so the owner can acquire afresh.
 
         Its watchdog is stopped, ``lock_lost`` sent (once per hold) and a warning
@@ -422,29 +243,27 @@ class Redlock:
         )
         if hold.watchdog is not None:
             hold.watchdog.halt()
-        _drop_hold(owner, hold.config.identity)
-        _note_replaced(owner, hold.config.identity, hold)
+        holds.drop(owner, hold.config.identity)
+        holds.note_replaced(owner, hold.config.identity, hold)
         logger.warning(
             "redlock %r: this owner's earlier hold was lost (%s); it is dropped and "
             "the lock acquired afresh",
             self.resource,
             why,
         )
-        _report_lost(hold, why)
+        holds.report_lost(hold, why, Redlock)
 
-    def _grant(
-        self, owner: object, config: _Config, grant: Grant, since: float
-    ) -> _Hold:
+    def _grant(self, owner: object, config: Config, grant: Grant, since: float) -> Hold:
         lease = Lease(
             token=grant.token,
             acquired=grant.started,
             valid_until=grant.valid_until,
             fencing_token=grant.fencing_token,
         )
-        hold = _Hold(lease=lease, config=config, lock=self)
-        _put_hold(owner, config.identity, hold)
+        hold = Hold(lease=lease, config=config, lock=self)
+        holds.put(owner, config.identity, hold)
         if config.auto_extend:
-            hold.watchdog = Watchdog(hold, owner, Redlock, _report_lost)
+            hold.watchdog = Watchdog(hold, owner, Redlock)
         signals.lock_acquired.send(
             sender=Redlock,
             lock=self,
@@ -474,8 +293,8 @@ class Redlock:
         )
         raise exc
 
-    def _owned(self, owner: object, verb: str) -> _Hold:
-        hold = _get_hold(owner, self._resolve().identity)
+    def _owned(self, owner: object, verb: str) -> Hold:
+        hold = holds.find(owner, self._resolve().identity)
         if hold is None:
             config = self._resolve()
             raise LockNotOwnedError(
@@ -487,9 +306,9 @@ class Redlock:
         return hold
 
     def _finish_release(
-        self, owner: object, hold: _Hold, outcome: Release, elapsed: float
+        self, owner: object, hold: Hold, outcome: Release, elapsed: float
     ) -> None:
-        _drop_hold(owner, hold.config.identity)
+        holds.drop(owner, hold.config.identity)
         if outcome.released:
             config = hold.config
             wake.note_handoff(
@@ -507,7 +326,7 @@ class Redlock:
             sender=Redlock, lock=self, resource=self.resource, held=held_for
         )
         if outcome.lost is not None:
-            _report_lost(hold, outcome.lost)
+            holds.report_lost(hold, outcome.lost, Redlock)
             raise LockLostError(
                 f"lock {self.resource!r} was lost while held ({held_for:.3f}s): "
                 f"{outcome.lost}",
@@ -529,11 +348,11 @@ class Redlock:
 
     def _start_acquire(
         self, owner: object, blocking: bool, timeout: float | None, holder: str
-    ) -> tuple[_Config, Any] | None:
+    ) -> tuple[Config, Any] | None:
         """Return the config and flow to drive, or None if the owner re-entered."""
         config = self._resolve()
         wait = self._wait(config, blocking, timeout)
-        hold = _get_hold(owner, config.identity)
+        hold = holds.find(owner, config.identity)
         if hold is not None:
             if hold.lease.lost is not None or _clock() >= hold.lease.valid_until:
                 self._replace(owner, hold)
@@ -541,16 +360,16 @@ class Redlock:
                 self._reenter(hold, config)
                 return None
         token = secrets.token_urlsafe(TOKEN_BYTES)
-        meta = self._meta(config, holder)
+        meta = holds.meta(holder, config.spec.ttl, self.label)
         defer = wake.handoff_defer(config.identity)
         flow = acquire_flow(config.spec, token, meta, wait, _clock, _jitter, defer)
         return config, flow
 
-    def _start_release(self, owner: object) -> _Hold | None:
+    def _start_release(self, owner: object) -> Hold | None:
         """Return the hold to release on the nodes, or None if still re-entered."""
         config = self._resolve()
-        if _get_hold(owner, config.identity) is None:
-            why = _pop_replaced(owner, config.identity)
+        if holds.find(owner, config.identity) is None:
+            why = holds.pop_replaced(owner, config.identity)
             if why is not None:
                 raise LockLostError(
                     f"lock {self.resource!r} was lost while held ({why}); a later "
@@ -565,7 +384,7 @@ class Redlock:
             return None
         return hold
 
-    def _release_flow(self, hold: _Hold) -> Any:
+    def _release_flow(self, hold: Hold) -> Any:
         lease = hold.lease
         retry = hold.releases > 1
         return release_flow(
@@ -599,7 +418,7 @@ class Redlock:
     ) -> bool:
         """``acquire()``; with ``raise_on_contention`` a lock still held when the
         wait ends raises the protocol's ``LockContentionError`` instead of False."""
-        owner = _sync_owner("acquire")
+        owner = holds.sync_owner("acquire")
         holder = threading.current_thread().name
         started = self._start_acquire(owner, blocking, timeout, holder)
         if started is None:
@@ -623,7 +442,7 @@ class Redlock:
         Raises ``LockNotOwnedError`` if the current owner does not hold it, and
         ``LockLostError`` (after releasing) if its lease ran out while held.
         """
-        owner = _sync_owner("release")
+        owner = holds.sync_owner("release")
         hold = self._start_release(owner)
         if hold is None:
             return
@@ -643,7 +462,7 @@ class Redlock:
         Returns whether a quorum confirmed it in time. Raises ``LockLostError`` when
         the lease has already run out: an expired lock is never revived.
         """
-        owner = _sync_owner("extend")
+        owner = holds.sync_owner("extend")
         hold = self._owned(owner, "extend")
         config = hold.config
         check_seconds("ttl", ttl, allow_none=True)
@@ -654,12 +473,12 @@ class Redlock:
 
     def locked(self) -> bool:
         """Return whether anyone holds the lock on a quorum of nodes."""
-        _sync_owner("locked")
+        holds.sync_owner("locked")
         config = self._resolve()
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         return bool(sync.run(locked_flow(config.spec), pools, config.node_timeout))
 
-    def _extend_flow(self, hold: _Hold, ttl: float | None) -> Any:
+    def _extend_flow(self, hold: Hold, ttl: float | None) -> Any:
         config = hold.config
         if hold.lease.lost is not None:
             raise LockLostError(
@@ -672,7 +491,7 @@ class Redlock:
             config.spec, hold.lease, config.spec.ttl if ttl is None else ttl, _clock
         )
 
-    def _extended(self, hold: _Hold, extension: Extension) -> bool:
+    def _extended(self, hold: Hold, extension: Extension) -> bool:
         if extension.valid_until is None:
             return False
         signals.lock_extended.send(
@@ -714,7 +533,7 @@ class Redlock:
         raise_on_contention: bool = False,
     ) -> bool:
         """``aacquire()``; see ``_acquire()`` for ``raise_on_contention``."""
-        owner = _async_owner("acquire")
+        owner = holds.async_owner("acquire")
         holder = cast(asyncio.Task[Any], owner).get_name()
         started = self._start_acquire(owner, blocking, timeout, holder)
         if started is None:
@@ -743,13 +562,13 @@ class Redlock:
         task of its own: cancelling the caller, once or many times, never cuts it
         short; the cancellation is raised once the clean-up has ended.
         """
-        owner = _async_owner("release")
+        owner = holds.async_owner("release")
         hold = self._start_release(owner)
         if hold is None:
             return
         await aio.complete(self._arelease_hold(owner, hold))
 
-    async def _arelease_hold(self, owner: object, hold: _Hold) -> None:
+    async def _arelease_hold(self, owner: object, hold: Hold) -> None:
         if hold.watchdog is not None:
             await hold.watchdog.astop()
         hold.releases += 1
@@ -762,7 +581,7 @@ class Redlock:
 
     async def aextend(self, ttl: float | None = None) -> bool:
         """Extend the lease from a coroutine; see ``extend()``."""
-        owner = _async_owner("extend")
+        owner = holds.async_owner("extend")
         hold = self._owned(owner, "extend")
         config = hold.config
         check_seconds("ttl", ttl, allow_none=True)
@@ -797,8 +616,8 @@ class Redlock:
 
     # The current owner's view of its hold: local, no network.
 
-    def _current(self) -> _Hold | None:
-        return _get_hold(_current_owner(), self._resolve().identity)
+    def _current(self) -> Hold | None:
+        return holds.find(holds.current_owner(), self._resolve().identity)
 
     def owned(self) -> bool:
         """Return whether the current owner holds the lock with validity left."""
