@@ -53,6 +53,7 @@ from .protocol import (
     extend_flow,
     locked_flow,
     release_flow,
+    released_on_quorum,
     validity,
 )
 from .watchdog import Watchdog
@@ -336,7 +337,7 @@ class Redlock:
                 quorum=spec.quorum,
                 failed=outcome.failed,
             )
-        if released < spec.quorum:
+        if not released_on_quorum(spec, outcome):
             logger.warning(
                 "redlock %r released on %d/%d nodes; %d did not answer and expire "
                 "with the lease",
