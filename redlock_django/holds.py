@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import os
 import socket
 import threading
@@ -31,17 +32,20 @@ if TYPE_CHECKING:
 __all__ = [
     "Hold",
     "async_owner",
-    "conflict",
     "current_owner",
     "drop",
     "find",
     "meta",
-    "note_replaced",
     "pop_replaced",
     "put",
+    "reenter",
+    "replace",
     "report_lost",
     "sync_owner",
 ]
+
+# The messages keep the logger they always had, so logging settings still apply.
+logger = logging.getLogger("redlock_django.lock")
 
 _clock = time.monotonic
 
@@ -85,21 +89,6 @@ def report_lost(hold: Hold, reason: str, sender: type) -> None:
     )
 
 
-def conflict(held: Config, wanted: Config) -> tuple[str, Any, Any] | None:
-    """Name the first option in which a re-entry differs from the hold it enters."""
-    pairs: list[tuple[str, Any, Any]] = [
-        ("ttl", held.spec.ttl, wanted.spec.ttl),
-        ("fencing", held.spec.fence_key is not None, wanted.spec.fence_key is not None),
-        ("auto_extend", held.auto_extend, wanted.auto_extend),
-    ]
-    if held.auto_extend:
-        pairs.append(("max_hold", held.max_hold, wanted.max_hold))
-    for name, held_value, wanted_value in pairs:
-        if held_value != wanted_value:
-            return name, held_value, wanted_value
-    return None
-
-
 # Owners.
 
 
@@ -141,7 +130,7 @@ _holds: weakref.WeakKeyDictionary[object, dict[tuple[Any, ...], Hold]] = (
 )
 # owner -> lock identity -> (levels, why): a hold found lost and replaced by a new
 # acquisition while ``levels`` outer ``with`` blocks were still open on it; their
-# releases raise LockLostError instead of finding nothing (see ``Redlock._replace``).
+# releases raise LockLostError instead of finding nothing (see ``replace``).
 _replaced: weakref.WeakKeyDictionary[object, dict[tuple[Any, ...], list[Any]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -190,7 +179,7 @@ def drop(owner: object, identity: tuple[Any, ...]) -> None:
                 del _holds[owner]
 
 
-def note_replaced(owner: object, identity: tuple[Any, ...], hold: Hold) -> None:
+def _note_replaced(owner: object, identity: tuple[Any, ...], hold: Hold) -> None:
     """Remember the open levels of a lost hold that a new acquisition replaces."""
     why = hold.lease.lost or "its lease ran out"
     with _holds_lock:
@@ -210,6 +199,61 @@ def pop_replaced(owner: object, identity: tuple[Any, ...]) -> str | None:
             if not entries:
                 del _replaced[owner]
         return str(entry[1])
+
+
+# Re-entering a hold, and replacing one found lost.
+
+
+def _conflict(held: Config, wanted: Config) -> tuple[str, Any, Any] | None:
+    """Name the first option in which a re-entry differs from the hold it enters."""
+    pairs: list[tuple[str, Any, Any]] = [
+        ("ttl", held.spec.ttl, wanted.spec.ttl),
+        ("fencing", held.spec.fence_key is not None, wanted.spec.fence_key is not None),
+        ("auto_extend", held.auto_extend, wanted.auto_extend),
+    ]
+    if held.auto_extend:
+        pairs.append(("max_hold", held.max_hold, wanted.max_hold))
+    for name, held_value, wanted_value in pairs:
+        if held_value != wanted_value:
+            return name, held_value, wanted_value
+    return None
+
+
+def reenter(hold: Hold, wanted: Config) -> None:
+    """Nest one more level in ``hold``, if the ``wanted`` options agree with it."""
+    conflict = _conflict(hold.config, wanted)
+    if conflict is not None:
+        name, held_value, value = conflict
+        raise ValueError(
+            f"cannot re-enter {wanted.spec.resource!r} with {name}={value!r}: this "
+            f"owner holds it through {hold.lock!r} with {name}={held_value!r}; "
+            f"re-enter with the same options, or pass reentrant=False for a "
+            f"separate hold"
+        )
+    hold.depth += 1
+
+
+def replace(owner: object, hold: Hold, resource: str, sender: type) -> None:
+    """Drop a hold found lost or run out, so the owner can acquire afresh.
+
+    Its watchdog is stopped, ``lock_lost`` sent (once per hold) and a warning
+    logged; ``with`` blocks still open on it raise ``LockLostError`` at exit.
+    """
+    lease = hold.lease
+    why = lease.lost or (
+        f"its lease ran out {_clock() - lease.valid_until:.3f}s ago, unreleased"
+    )
+    if hold.watchdog is not None:
+        hold.watchdog.halt()
+    drop(owner, hold.config.identity)
+    _note_replaced(owner, hold.config.identity, hold)
+    logger.warning(
+        "redlock %r: this owner's earlier hold was lost (%s); it is dropped and "
+        "the lock acquired afresh",
+        resource,
+        why,
+    )
+    report_lost(hold, why, sender)
 
 
 # What a hold writes beside its token.

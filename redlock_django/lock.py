@@ -219,41 +219,6 @@ class Redlock:
             raise ValueError(f"timeout must be a number of seconds, not {timeout!r}")
         return None if timeout < 0 else float(timeout)
 
-    def _reenter(self, hold: Hold, config: Config) -> None:
-        """Nest one more level in ``hold``, if this object's options agree with it."""
-        conflict = holds.conflict(hold.config, config)
-        if conflict is not None:
-            name, held_value, wanted = conflict
-            raise ValueError(
-                f"cannot re-enter {self.resource!r} with {name}={wanted!r}: this "
-                f"owner holds it through {hold.lock!r} with {name}={held_value!r}; "
-                f"re-enter with the same options, or pass reentrant=False for a "
-                f"separate hold"
-            )
-        hold.depth += 1
-
-    def _replace(self, owner: object, hold: Hold) -> None:
-        """Drop a hold found lost or run out, so the owner can acquire afresh.
-
-        Its watchdog is stopped, ``lock_lost`` sent (once per hold) and a warning
-        logged; ``with`` blocks still open on it raise ``LockLostError`` at exit.
-        """
-        lease = hold.lease
-        why = lease.lost or (
-            f"its lease ran out {_clock() - lease.valid_until:.3f}s ago, unreleased"
-        )
-        if hold.watchdog is not None:
-            hold.watchdog.halt()
-        holds.drop(owner, hold.config.identity)
-        holds.note_replaced(owner, hold.config.identity, hold)
-        logger.warning(
-            "redlock %r: this owner's earlier hold was lost (%s); it is dropped and "
-            "the lock acquired afresh",
-            self.resource,
-            why,
-        )
-        holds.report_lost(hold, why, Redlock)
-
     def _grant(self, owner: object, config: Config, grant: Grant, since: float) -> Hold:
         lease = Lease(
             token=grant.token,
@@ -356,9 +321,9 @@ class Redlock:
         hold = holds.find(owner, config.identity)
         if hold is not None:
             if hold.lease.lost is not None or _clock() >= hold.lease.valid_until:
-                self._replace(owner, hold)
+                holds.replace(owner, hold, self.resource, Redlock)
             elif self.reentrant:
-                self._reenter(hold, config)
+                holds.reenter(hold, config)
                 return None
         token = secrets.token_urlsafe(TOKEN_BYTES)
         meta = holds.meta(holder, config.spec.ttl, self.label)
