@@ -26,7 +26,8 @@ from . import signals
 from .protocol import Lease
 
 if TYPE_CHECKING:
-    from .lock import Config, Redlock
+    from .lock import Redlock
+    from .options import Config
     from .watchdog import Watchdog
 
 __all__ = [

@@ -11,7 +11,6 @@ use, never at import time.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import random
@@ -19,7 +18,6 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -41,20 +39,18 @@ from .exceptions import (
     QuorumUnavailableError,
 )
 from .holds import Hold
-from .keys import MAX_NAME_LENGTH, check_resource, fence_key, lock_key
+from .keys import MAX_NAME_LENGTH, check_resource
+from .options import Config, resolve
 from .protocol import (
     Extension,
     Grant,
     Lease,
-    LockSpec,
     Release,
     acquire_flow,
-    drift,
     extend_flow,
     locked_flow,
     release_flow,
     released_on_quorum,
-    validity,
 )
 from .watchdog import Watchdog
 
@@ -70,21 +66,6 @@ TOKEN_BYTES = 20
 
 _clock = time.monotonic
 _jitter = random.random
-
-
-@dataclass(frozen=True)
-class Config:
-    """A lock's options resolved against the settings of the moment."""
-
-    spec: LockSpec
-    nodes: tuple[NodeSpec, ...]
-    node_timeout: float
-    wait_timeout: float | None
-    auto_extend: bool
-    max_hold: float | None
-    wake_ups: bool
-    #: Identifies the lock across ``Redlock`` objects: same nodes, same key.
-    identity: tuple[Any, ...]
 
 
 class Redlock:
@@ -153,11 +134,11 @@ class Redlock:
     # Configuration, resolved at first use and again when settings change.
 
     def _resolve(self) -> Config:
+        """This object's options, where given, over the settings of the moment."""
         settings = get_settings()
         config = self._config
         if config is not None and self._config_from is settings:
             return config
-        # This object's options, where given, over the settings of the moment.
         given: dict[str, Any] = {
             "nodes": self._nodes,
             "ttl": self.ttl,
@@ -168,39 +149,7 @@ class Redlock:
             "auto_extend": self.auto_extend,
             "max_hold": self.max_hold,
         }
-        merged = dataclasses.replace(
-            settings, **{name: v for name, v in given.items() if v is not None}
-        )
-        ttl, node_timeout = merged.ttl, merged.node_timeout
-        drift_factor = merged.drift_factor
-        if validity(ttl, node_timeout, drift_factor) <= 0:
-            # Even a reply at the node timeout would leave no validity: every
-            # attempt would be refused as too slow. Say so before sending anything.
-            raise ValueError(
-                f"ttl ({ttl}s) leaves no validity after node_timeout ({node_timeout}s) "
-                f"and the clock drift allowance ({drift(ttl, drift_factor):.3f}s)"
-            )
-        prefix = merged.key_prefix
-        spec = LockSpec(
-            resource=self.resource,
-            key=lock_key(self.resource, prefix),
-            node_names=tuple(n.display for n in merged.nodes),
-            ttl=ttl,
-            drift_factor=drift_factor,
-            retry_delay=merged.retry_delay,
-            retry_jitter=merged.retry_jitter,
-            fence_key=fence_key(self.resource, prefix) if self.fencing else None,
-        )
-        config = Config(
-            spec=spec,
-            nodes=merged.nodes,
-            node_timeout=node_timeout,
-            wait_timeout=merged.wait_timeout,
-            auto_extend=merged.auto_extend,
-            max_hold=merged.max_hold,
-            wake_ups=merged.wake_ups,
-            identity=(tuple(n.identity for n in merged.nodes), spec.key),
-        )
+        config = resolve(settings, self.resource, self.fencing, given)
         self._config, self._config_from = config, settings
         return config
 
