@@ -300,6 +300,8 @@ class Redlock:
         return hold
 
     def _release_flow(self, hold: Hold) -> Any:
+        """Start one more release fan-out of ``hold``: its flow."""
+        hold.releases += 1
         lease = hold.lease
         retry = hold.releases > 1
         return release_flow(
@@ -363,11 +365,10 @@ class Redlock:
             return
         if hold.watchdog is not None:
             hold.watchdog.stop()
-        hold.releases += 1
+        flow = self._release_flow(hold)
         config = hold.config
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         start = _clock()
-        flow = self._release_flow(hold)
         outcome = sync.run(flow, pools, config.node_timeout)
         self._finish_release(owner, hold, outcome, _clock() - start)
 
@@ -394,17 +395,10 @@ class Redlock:
         return bool(sync.run(locked_flow(config.spec), pools, config.node_timeout))
 
     def _extend_flow(self, hold: Hold, ttl: float | None) -> Any:
-        config = hold.config
-        if hold.lease.lost is not None:
-            raise LockLostError(
-                f"cannot extend {self.resource!r}: {hold.lease.lost}",
-                resource=self.resource,
-                nodes=config.spec.node_count,
-                quorum=config.spec.quorum,
-            )
-        return extend_flow(
-            config.spec, hold.lease, config.spec.ttl if ttl is None else ttl, _clock
-        )
+        # A lease lost or run out raises LockLostError in the flow, before any
+        # network call: an expired lock is never revived.
+        spec = hold.config.spec
+        return extend_flow(spec, hold.lease, spec.ttl if ttl is None else ttl, _clock)
 
     def _extended(self, hold: Hold, extension: Extension) -> bool:
         if extension.valid_until is None:
@@ -486,11 +480,10 @@ class Redlock:
     async def _arelease_hold(self, owner: object, hold: Hold) -> None:
         if hold.watchdog is not None:
             await hold.watchdog.astop()
-        hold.releases += 1
+        flow = self._release_flow(hold)
         config = hold.config
         clients = nodes.async_clients(config.nodes, config.node_timeout)
         start = _clock()
-        flow = self._release_flow(hold)
         outcome = await aio.run(flow, clients, config.node_timeout)
         self._finish_release(owner, hold, outcome, _clock() - start)
 
