@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
+from django.dispatch import Signal
 
 from . import aio, holds, nodes, signals, sync, wake
 from .conf import (
@@ -168,6 +169,10 @@ class Redlock:
             raise ValueError(f"timeout must be a number of seconds, not {timeout!r}")
         return None if timeout < 0 else float(timeout)
 
+    def _send(self, signal: Signal, **details: Any) -> None:
+        """Send ``signal`` about this lock, with the ``details`` it carries."""
+        signal.send(sender=Redlock, lock=self, resource=self.resource, **details)
+
     def _grant(self, owner: object, config: Config, grant: Grant, since: float) -> Hold:
         lease = Lease(
             token=grant.token,
@@ -179,10 +184,8 @@ class Redlock:
         holds.put(owner, config.identity, hold)
         if config.auto_extend:
             hold.watchdog = Watchdog(hold, owner, Redlock)
-        signals.lock_acquired.send(
-            sender=Redlock,
-            lock=self,
-            resource=self.resource,
+        self._send(
+            signals.lock_acquired,
             waited=_clock() - since,
             fencing_token=grant.fencing_token,
             attempts=grant.attempts,
@@ -198,14 +201,10 @@ class Redlock:
         """
         waited = _clock() - since
         if isinstance(exc, LockContentionError):
-            signals.lock_contended.send(
-                sender=Redlock, lock=self, resource=self.resource, waited=waited
-            )
+            self._send(signals.lock_contended, waited=waited)
             if not raise_all:
                 return False
-        signals.lock_unavailable.send(
-            sender=Redlock, lock=self, resource=self.resource, waited=waited, error=exc
-        )
+        self._send(signals.lock_unavailable, waited=waited, error=exc)
         raise exc
 
     def _owned(self, owner: object, verb: str) -> Hold:
@@ -237,9 +236,7 @@ class Redlock:
         spec = hold.config.spec
         held_for = _clock() - hold.lease.acquired
         released, failed = outcome.released, len(outcome.failed)
-        signals.lock_released.send(
-            sender=Redlock, lock=self, resource=self.resource, held=held_for
-        )
+        self._send(signals.lock_released, held=held_for)
         if outcome.lost is not None:
             holds.report_lost(hold, outcome.lost, Redlock)
             raise LockLostError(
@@ -403,12 +400,7 @@ class Redlock:
     def _extended(self, hold: Hold, extension: Extension) -> bool:
         if extension.valid_until is None:
             return False
-        signals.lock_extended.send(
-            sender=Redlock,
-            lock=self,
-            resource=self.resource,
-            validity=extension.valid_until - _clock(),
-        )
+        self._send(signals.lock_extended, validity=extension.valid_until - _clock())
         return True
 
     def __enter__(self) -> Redlock:
