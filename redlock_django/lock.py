@@ -4,8 +4,12 @@ One object describes a lock (its resource and options); who holds it is tracked 
 *owner*: the current thread for the blocking API, the current asyncio task for the
 ``a``-prefixed API. So one object can be shared, an owner can re-acquire what it
 holds (only its outermost release frees it), and nobody can release another
-owner's hold (the holds themselves live in ``holds.py``). Settings are read at first
-use, never at import time.
+owner's hold (the holds themselves live in ``holds.py``). The options are merged
+over the settings at first use (``options.py``), never at import time.
+
+One idea, read top to bottom, so a little over 500 lines: the options, the steps
+both APIs share, the blocking API, its asyncio twin, the owner's view of its hold.
+The algorithm itself (quorum, validity, retries) is in ``protocol.py``.
 """
 
 from __future__ import annotations
