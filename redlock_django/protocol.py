@@ -543,6 +543,15 @@ def _lost_at_release(
     return None
 
 
+def released_on_quorum(spec: LockSpec, outcome: Release) -> bool:
+    """Return whether a release deleted our key on at least a quorum of nodes.
+
+    When it did not, and the lease was not lost, the other nodes did not answer (or
+    a retry found the keys its first try deleted): their keys expire with the lease.
+    """
+    return outcome.released >= spec.quorum
+
+
 def locked_flow(spec: LockSpec) -> Generator[Step, Any, bool]:
     """Return whether anyone holds the lock on a quorum of nodes."""
     every = tuple(range(spec.node_count))

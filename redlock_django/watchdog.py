@@ -14,14 +14,11 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from . import aio, nodes, signals, sync
+from .holds import Hold, report_lost
 from .protocol import watchdog_flow
-
-if TYPE_CHECKING:
-    from .lock import _Hold
 
 __all__ = ["Watchdog"]
 
@@ -35,18 +32,11 @@ _jitter = random.random
 class Watchdog:
     """Extends one hold's lease in the background until stopped."""
 
-    def __init__(
-        self,
-        hold: _Hold,
-        owner: object,
-        sender: type,
-        report_lost: Callable[[_Hold, str], None],
-    ) -> None:
+    def __init__(self, hold: Hold, owner: object, sender: type) -> None:
         self.hold = hold
-        #: The ``sender`` of the signals (``Redlock``), and how to send
-        #: ``lock_lost`` once per hold: both passed in, as lock.py imports this.
+        #: The ``sender`` of the signals (``Redlock``): passed in, as lock.py
+        #: imports this module.
         self._sender = sender
-        self._report_lost = report_lost
         # Weak, so an owner that ended without releasing stops the extensions
         # instead of keeping its lock alive until max_hold (or forever).
         self._owner = weakref.ref(owner)
@@ -75,7 +65,7 @@ class Watchdog:
                 self.hold.config.spec.resource,
                 lease.lost,
             )
-            self._report_lost(self.hold, lease.lost)
+            report_lost(self.hold, lease.lost, self._sender)
         elif not self._stop.is_set():
             logger.warning(
                 "redlock %r: auto-extension stopped at max_hold=%ss",
@@ -88,7 +78,7 @@ class Watchdog:
         trusted, so the holder learns it lost the lock."""
         logger.exception("redlock %r watchdog failed", self.hold.config.spec.resource)
         self.hold.lease.lost = "the watchdog failed"
-        self._report_lost(self.hold, self.hold.lease.lost)
+        report_lost(self.hold, self.hold.lease.lost, self._sender)
 
     # Blocking: a daemon thread whose sleeps end early when stopped.
 

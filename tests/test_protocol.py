@@ -26,6 +26,7 @@ from redlock_django.protocol import (
     locked_flow,
     quorum,
     release_flow,
+    released_on_quorum,
     unanswered_may_hold,
     validity,
     watchdog_flow,
@@ -704,3 +705,15 @@ def test_release_judges_a_lease_marked_lost_or_run_out_lost() -> None:
     )
     assert gone.lost == "the watchdog failed"
     assert ran_out.lost == "its lease ran out 0.500s before release"
+
+
+def test_release_on_fewer_than_a_quorum_of_nodes_is_short() -> None:
+    """A release counts as done on a quorum from ``quorum(N)`` deleted keys on."""
+    clock = FakeClock()
+    down = NodeReply(error="timed out")
+    short, _ = drive(
+        release_flow(spec(), "tok"), lambda s: [*ok(1, 1, 0, 0), down], clock
+    )
+    enough, _ = drive(release_flow(spec(), "tok"), lambda s: ok(1, 1, 1, 0, 0), clock)
+    assert not released_on_quorum(spec(), short)
+    assert released_on_quorum(spec(), enough)

@@ -1,0 +1,78 @@
+"""A ``Redlock``'s options resolved over the settings: what one lock runs with.
+
+``Redlock`` keeps the options its caller gave; at first use, and again whenever the
+settings change, ``resolve`` merges those that are set over ``settings.REDLOCK`` into
+a frozen ``Config``: the protocol's ``LockSpec`` plus what the drivers, the wake-ups
+and the watchdog need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .address import NodeSpec
+from .conf import RedlockSettings
+from .keys import fence_key, lock_key
+from .protocol import LockSpec, drift, validity
+
+__all__ = ["Config", "resolve"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """A lock's options resolved against the settings of the moment."""
+
+    spec: LockSpec
+    nodes: tuple[NodeSpec, ...]
+    node_timeout: float
+    wait_timeout: float | None
+    auto_extend: bool
+    max_hold: float | None
+    wake_ups: bool
+    #: Identifies the lock across ``Redlock`` objects: same nodes, same key.
+    identity: tuple[Any, ...]
+
+
+def resolve(
+    settings: RedlockSettings, resource: str, fencing: bool, given: dict[str, Any]
+) -> Config:
+    """Return the config of a lock on ``resource``: ``given`` over ``settings``.
+
+    Options ``given`` as None are unset and come from the settings. Raises
+    ``ValueError`` when the TTL cannot outlast the node timeout and the drift.
+    """
+    merged = dataclasses.replace(
+        settings, **{name: v for name, v in given.items() if v is not None}
+    )
+    ttl, node_timeout = merged.ttl, merged.node_timeout
+    drift_factor = merged.drift_factor
+    if validity(ttl, node_timeout, drift_factor) <= 0:
+        # Even a reply at the node timeout would leave no validity: every
+        # attempt would be refused as too slow. Say so before sending anything.
+        raise ValueError(
+            f"ttl ({ttl}s) leaves no validity after node_timeout ({node_timeout}s) "
+            f"and the clock drift allowance ({drift(ttl, drift_factor):.3f}s)"
+        )
+    prefix = merged.key_prefix
+    spec = LockSpec(
+        resource=resource,
+        key=lock_key(resource, prefix),
+        node_names=tuple(n.display for n in merged.nodes),
+        ttl=ttl,
+        drift_factor=drift_factor,
+        retry_delay=merged.retry_delay,
+        retry_jitter=merged.retry_jitter,
+        fence_key=fence_key(resource, prefix) if fencing else None,
+    )
+    return Config(
+        spec=spec,
+        nodes=merged.nodes,
+        node_timeout=node_timeout,
+        wait_timeout=merged.wait_timeout,
+        auto_extend=merged.auto_extend,
+        max_hold=merged.max_hold,
+        wake_ups=merged.wake_ups,
+        identity=(tuple(n.identity for n in merged.nodes), spec.key),
+    )
