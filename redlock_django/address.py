@@ -4,9 +4,8 @@ A node is one independent Redis master, given in ``REDLOCK["NODES"]`` (or a lock
 ``nodes=``) as a URL (``redis://``, ``rediss://``, ``unix://``) or as the alias of
 a Redis cache in ``CACHES``. ``parse_node()`` turns an entry into a ``NodeSpec``
 without connecting, and ``connection_params()`` gives the redis-py connection class
-and arguments that ``nodes.py`` builds its pools from. A cache alias is looked up
-in ``CACHES`` here: ``conf.py`` reads ``REDLOCK``, this module the ``CACHES``
-entries that NODES names.
+and arguments that ``nodes.py`` builds its pools from. This module reads no setting:
+``conf.py`` hands it the ``CACHES`` setting an alias is looked up in.
 
 URLs can carry passwords, so only ``NodeSpec.display`` (no userinfo, no query
 string) ever goes into a message, a log line or a page.
@@ -24,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 from redis.connection import (
@@ -87,6 +85,10 @@ class NodeSpec:
     alias: str | None
     display: str
     identity: tuple[str | int, ...]
+    #: The ``CACHES`` entry an alias named when it was parsed (None for a URL).
+    cache: Mapping[str, Any] | None = field(
+        default=None, repr=False, compare=False, hash=False
+    )
 
     def __str__(self) -> str:
         return self.display
@@ -123,18 +125,16 @@ class _Target:
         return ("tcp", _canonical_host(self.host), self.port, self.db)
 
 
-def _cache_config(alias: str) -> object:
-    caches = getattr(settings, "CACHES", {})
-    return caches.get(alias) if isinstance(caches, Mapping) else None
-
-
-def parse_node(entry: str, index: int) -> NodeSpec:
+def parse_node(
+    entry: str, index: int, caches: Mapping[str, Any] | None = None
+) -> NodeSpec:
     """Parse the NODES entry at position ``index`` into a ``NodeSpec``.
 
-    An entry containing ``://`` is a URL; any other string is a ``CACHES`` alias,
-    looked up in the settings now. Raise ``ValueError`` naming the index and the
-    reason when the entry is not a string, is empty, is a malformed URL, or names
-    an alias that is missing or not a Redis cache. Messages mask the userinfo.
+    An entry containing ``://`` is a URL; any other string is an alias looked up
+    in ``caches`` (the ``CACHES`` setting, read by ``conf.cache_settings()``).
+    Raise ``ValueError`` naming the index and the reason when the entry is not a
+    string, is empty, is a malformed URL, or names an alias that is missing or not
+    a Redis cache. Messages mask the userinfo.
     """
     where = f"REDLOCK['NODES'][{index}]"
     if not isinstance(entry, str):
@@ -145,7 +145,7 @@ def parse_node(entry: str, index: int) -> NodeSpec:
     if not entry.strip():
         raise ValueError(f"{where} is an empty string")
     if "://" not in entry:
-        return _parse_alias(entry, index, where)
+        return _parse_alias(entry, index, where, caches)
     try:
         target = _parse_url(entry)
     except _URLError as exc:
@@ -280,9 +280,11 @@ def _redis_parse_url(url: str) -> dict[str, Any]:
     return kwargs
 
 
-def _parse_alias(alias: str, index: int, where: str) -> NodeSpec:
+def _parse_alias(
+    alias: str, index: int, where: str, caches: Mapping[str, Any] | None
+) -> NodeSpec:
     named = f"{where} names the cache alias {_mask(alias)!r}"
-    config = _cache_config(alias)
+    config = caches.get(alias) if isinstance(caches, Mapping) else None
     if not isinstance(config, Mapping):
         looks_like_url = any(char in alias for char in ":/@")
         raise AliasError(
@@ -305,9 +307,8 @@ def _parse_alias(alias: str, index: int, where: str) -> NodeSpec:
             f"{named}, whose LOCATION {_mask(location)!r} is not a valid Redis URL: "
             f"{exc}"
         ) from None
-    return NodeSpec(
-        index, alias, alias, f"cache:{alias} ({target.display})", target.identity
-    )
+    display = f"cache:{alias} ({target.display})"
+    return NodeSpec(index, alias, alias, display, target.identity, cache=config)
 
 
 def _is_redis_backend(backend: object) -> bool:
@@ -369,8 +370,8 @@ def tls_unverified(node: NodeSpec) -> bool:
     if node.alias is None:
         url, extra = node.entry, {}
     else:
-        config = _cache_config(node.alias)
-        assert isinstance(config, Mapping)
+        config = node.cache
+        assert config is not None
         url = _primary_location(config.get("LOCATION")) or ""
         options = _mapping(config.get("OPTIONS"))
         # Django's backend passes OPTIONS to the pool; django-redis nests them.

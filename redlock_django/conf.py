@@ -140,6 +140,12 @@ def raw_settings() -> object:
     return getattr(settings, "REDLOCK", {})
 
 
+def cache_settings() -> Mapping[str, Any]:
+    """Return ``settings.CACHES``, where NODES entries that are aliases are found."""
+    caches = getattr(settings, "CACHES", {})
+    return caches if isinstance(caches, Mapping) else {}
+
+
 @functools.cache
 def get_settings() -> RedlockSettings:
     """Return the validated settings, cached until ``REDLOCK`` or ``CACHES`` changes.
@@ -306,6 +312,7 @@ def _validate_nodes(
         error("redlock.E002", "REDLOCK['NODES'] is empty")
         return []
     nodes: list[NodeSpec] = []
+    caches = cache_settings()
     for index, entry in enumerate(entries):
         if not isinstance(entry, str):
             # The value itself may be a dict holding a password: show the type only.
@@ -316,7 +323,7 @@ def _validate_nodes(
             )
             continue
         try:
-            nodes.append(parse_node(entry, index))
+            nodes.append(parse_node(entry, index, caches))
         except AliasError as exc:
             error("redlock.E004", str(exc))
         except ValueError as exc:

@@ -30,7 +30,7 @@ from django.dispatch import Signal
 
 from . import aio, holds, nodes, signals, sync, wake
 from .address import NodeSpec, parse_node
-from .conf import RedlockSettings, check_seconds, get_settings
+from .conf import RedlockSettings, cache_settings, check_seconds, get_settings
 from .exceptions import (
     LockContentionError,
     LockError,
@@ -110,8 +110,9 @@ class Redlock:
                 raise ValueError(
                     "nodes must be a non-empty list of Redis URLs or aliases"
                 )
+            caches = cache_settings()
             self._nodes: tuple[NodeSpec, ...] | None = tuple(
-                parse_node(entry, i) for i, entry in enumerate(nodes)
+                parse_node(entry, i, caches) for i, entry in enumerate(nodes)
             )
         else:
             self._nodes = None

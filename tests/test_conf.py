@@ -405,7 +405,7 @@ def test_parse_node_reads_the_location_of_a_cache_alias(settings: Any) -> None:
         },
     }
 
-    node = parse_node("locks", 3)
+    node = parse_node("locks", 3, settings.CACHES)
 
     assert node == NodeSpec(
         3, "locks", "locks", "cache:locks (redis://localhost:6390/1)",
@@ -451,7 +451,7 @@ def test_parse_node_rejects_aliases_of_unusable_caches(
     settings.CACHES = {**settings.CACHES, "locks": cache}
 
     with pytest.raises(ValueError) as excinfo:
-        parse_node("locks", 0)
+        parse_node("locks", 0, settings.CACHES)
 
     assert str(excinfo.value) == (
         f"REDLOCK['NODES'][0] names the cache alias 'locks', {reason}"
@@ -519,7 +519,7 @@ def test_connection_params_for_a_django_redis_alias(settings: Any) -> None:
             OPTIONS={"PASSWORD": SECRET, "SOCKET_TIMEOUT": 2.5},
         ),
     }
-    node = parse_node("locks", 0)
+    node = parse_node("locks", 0, settings.CACHES)
 
     connection_class, kwargs = connection_params(node)
 
@@ -546,7 +546,9 @@ def test_connection_params_for_a_django_builtin_redis_alias(settings: Any) -> No
         },
     }
 
-    connection_class, kwargs = connection_params(parse_node("locks", 0))
+    connection_class, kwargs = connection_params(
+        parse_node("locks", 0, settings.CACHES)
+    )
 
     assert connection_class is SSLConnection
     assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("h", 6391, 2)
@@ -556,7 +558,7 @@ def test_connection_params_for_a_django_builtin_redis_alias(settings: Any) -> No
 def test_connection_params_returns_a_fresh_dict(settings: Any) -> None:
     """Changing the returned kwargs does not change the cache's pool or later calls."""
     settings.CACHES = {**settings.CACHES, "locks": _django_redis("redis://h:6390/1")}
-    node = parse_node("locks", 0)
+    node = parse_node("locks", 0, settings.CACHES)
 
     connection_params(node)[1]["socket_timeout"] = 99
 
