@@ -35,6 +35,9 @@ the query string, which can carry secrets (reset tokens, signed URLs).
 Each request is its own owner (``reentrant=False``): a lock left behind by an
 earlier request on the same thread is never re-entered, and a view calling
 another view locking the same resource waits like any other request.
+
+One idea, read top to bottom (``Guard`` with its sync and async drivers, then the
+function, class and mixin doors to it), hence a little over 500 lines.
 """
 
 from __future__ import annotations

@@ -3,23 +3,18 @@
 An *owner* is the current thread for the blocking API and the current asyncio task
 for the ``a``-prefixed one. Each owner's holds are keyed by lock identity (same
 nodes, same key), so any ``Redlock`` object on that lock finds them; a forked child
-starts with none. Also here: what a hold writes beside its token on the nodes (the
-holder metadata the listing shows) and the ``lock_lost`` signal, sent once per hold.
+starts with none. Also here: the ``lock_lost`` signal, sent once per hold.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from . import signals
@@ -36,7 +31,6 @@ __all__ = [
     "current_owner",
     "drop",
     "find",
-    "meta",
     "pop_replaced",
     "put",
     "reenter",
@@ -255,27 +249,3 @@ def replace(owner: object, hold: Hold, resource: str, sender: type) -> None:
         why,
     )
     report_lost(hold, why, sender)
-
-
-# What a hold writes beside its token.
-
-
-@functools.cache
-def _hostname() -> str:
-    return socket.gethostname()
-
-
-@functools.lru_cache(maxsize=1024)
-def _meta_head(pid: int, holder: str, ttl: float, label: str) -> str:
-    """The holder metadata JSON without its closing brace and acquisition time."""
-    fields = {"host": _hostname(), "pid": pid, "holder": holder, "ttl": ttl}
-    return json.dumps({**fields, "label": label}, separators=(",", ":"))[:-1]
-
-
-def meta(holder: str, ttl: float, label: str) -> str:
-    """Return the holder metadata (JSON) an acquisition writes beside its token."""
-    # The same JSON object as json.dumps of all six fields, with the fixed
-    # part encoded once per (pid, holder, ttl, label): only the time changes.
-    head = _meta_head(os.getpid(), holder, ttl, label)
-    now = datetime.now(UTC).isoformat(timespec="milliseconds")
-    return f'{head},"acquired_at":"{now}"}}'

@@ -33,7 +33,6 @@ module; node addresses are ``NodeSpec.display``, which never holds a password.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import re
@@ -41,12 +40,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, TypeVar
 
 import redis
 from redis.exceptions import ResponseError
 
+from . import meta
 from . import nodes as node_pools
 from .address import NodeSpec
 from .conf import RedlockSettings, get_settings
@@ -258,7 +258,12 @@ def node_status() -> list[NodeStatus]:
         try:
             info = client.info("server")
             raw = info.get("redis_version")
-            version = None if raw is None else _text(raw)
+            if raw is None:
+                version = None
+            elif isinstance(raw, bytes):
+                version = raw.decode(errors="replace")
+            else:
+                version = str(raw)
         except redis.ConnectionError:
             raise
         except redis.RedisError:
@@ -441,8 +446,8 @@ def _merge(
             token_digest(item[0]),
         ),
     )
-    meta = _meta(holding[0].fields.get(b"meta"))
-    fences = [_int(entry.fields.get(b"fence")) for entry in holding]
+    holder = meta.decode(holding[0].fields.get(b"meta"))
+    fences = [meta.as_int(entry.fields.get(b"fence")) for entry in holding]
     known_fences = [fence for fence in fences if fence is not None]
     left_ms = min(lease_ms(entry) for entry in holding)
     return ListedLock(
@@ -451,70 +456,16 @@ def _merge(
         nodes=tuple(sorted(entry.node for entry in holding)),
         node_count=node_count,
         quorum=quorum(node_count),
-        host=_optional_str(meta.get("host")),
-        pid=_int(meta.get("pid")),
-        holder=_optional_str(meta.get("holder")),
-        label=_optional_str(meta.get("label")) or "",
-        acquired_at=_datetime(meta.get("acquired_at")),
-        ttl=_float(meta.get("ttl")),
+        host=holder.host,
+        pid=holder.pid,
+        holder=holder.holder,
+        label=holder.label,
+        acquired_at=holder.acquired_at,
+        ttl=holder.ttl,
         time_left=left_ms / 1000,
         fencing_token=max(known_fences) if known_fences else None,
         other_tokens=len(entries) - len(holding) + foreign,
     )
-
-
-# Metadata is written by this library but read defensively: a key under the prefix
-# may come from another version or another writer.
-
-
-def _text(value: object) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
-def _meta(raw: bytes | None) -> dict[str, object]:
-    if raw is None:
-        return {}
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
-
-
-def _optional_str(value: object) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _int(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, bytes | str):
-        try:
-            return int(value)
-        except ValueError:
-            return None
-    return None
-
-
-def _float(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
-
-
-def _datetime(value: object) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.astimezone(UTC)
 
 
 # --- force release --------------------------------------------------------------

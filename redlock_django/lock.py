@@ -28,7 +28,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 from asgiref.sync import iscoroutinefunction
 from django.dispatch import Signal
 
-from . import aio, holds, nodes, signals, sync, wake
+from . import aio, holds, meta, nodes, signals, sync, wake
 from .address import NodeSpec, parse_node
 from .conf import RedlockSettings, cache_settings, check_seconds, get_settings
 from .exceptions import (
@@ -268,9 +268,9 @@ class Redlock:
                 holds.reenter(hold, config)
                 return None
         token = secrets.token_urlsafe(TOKEN_BYTES)
-        meta = holds.meta(holder, config.spec.ttl, self.label)
+        about = meta.encode(holder, config.spec.ttl, self.label)
         defer = wake.handoff_defer(config.identity)
-        flow = acquire_flow(config.spec, token, meta, wait, _clock, _jitter, defer)
+        flow = acquire_flow(config.spec, token, about, wait, _clock, _jitter, defer)
         return config, flow
 
     def _start_release(self, owner: object) -> Hold | None:

@@ -61,6 +61,9 @@ Errors::
     FieldError                              no usable token field, the token in
                                             the updates, or an instance without
                                             its token loaded
+
+One idea, read top to bottom (the field, the row's lock, the fenced write and its
+queryset form), hence a little over 500 lines.
 """
 
 from __future__ import annotations

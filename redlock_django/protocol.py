@@ -17,6 +17,10 @@ Timeline of one acquisition attempt (spec: redis.io "Distributed Locks with Redi
 Attempt k of one acquisition writes its own token, ``<base>.<k>``, and its clean-up
 releases only that token: a clean-up delayed in the network can then never delete
 the key a later attempt counted toward its quorum.
+
+One idea, read top to bottom (steps, arithmetic, then the acquire, extend, release,
+locked and watchdog flows), hence over 500 lines: splitting it would scatter the
+algorithm again.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ the owed reply is read and thrown away, and a connection whose reply does not co
 within NODE_TIMEOUT is dropped. A late reply can then never reach the next caller,
 and a node a little slower than the others does not cost a new connection (a TLS
 handshake) on every operation.
+
+One idea, read top to bottom (the connection bookkeeping, one fan-out round, the
+flow runner), hence a little over 500 lines.
 """
 
 from __future__ import annotations
