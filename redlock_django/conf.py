@@ -329,12 +329,14 @@ def _validate_nodes(
         except ValueError as exc:
             error("redlock.E003", str(exc))
 
-    if len(entries) > 1 and len(entries) % 2 == 0:
+    count = len(entries)
+    if count > 1 and count % 2 == 0:
         warning(
             "redlock.W001",
-            f"REDLOCK['NODES'] has {len(entries)} nodes, an even number: the quorum "
-            f"is {len(entries) // 2 + 1}, so it tolerates {len(entries) // 2 - 1} "
-            f"failed node(s), no more than {len(entries) - 1} nodes would",
+            f"REDLOCK['NODES'] has {count} nodes, an even number: the quorum "
+            f"is {protocol.quorum(count)}, so it tolerates "
+            f"{protocol.tolerated_failures(count)} failed node(s), no more than "
+            f"{count - 1} nodes would",
         )
 
     by_identity: dict[tuple[str | int, ...], list[NodeSpec]] = {}

@@ -226,6 +226,11 @@ def quorum(node_count: int) -> int:
     return node_count // 2 + 1
 
 
+def tolerated_failures(node_count: int) -> int:
+    """Return how many of ``node_count`` nodes can fail with locks still granted."""
+    return node_count - quorum(node_count)
+
+
 def has_quorum(count: int, node_count: int) -> bool:
     """Return whether ``count`` of ``node_count`` nodes are at least a quorum.
 

@@ -27,6 +27,7 @@ from redlock_django.protocol import (
     quorum,
     release_flow,
     released_on_quorum,
+    tolerated_failures,
     unanswered_may_hold,
     validity,
     watchdog_flow,
@@ -717,3 +718,11 @@ def test_release_on_fewer_than_a_quorum_of_nodes_is_short() -> None:
     enough, _ = drive(release_flow(spec(), "tok"), lambda s: ok(1, 1, 1, 0, 0), clock)
     assert not released_on_quorum(spec(), short)
     assert released_on_quorum(spec(), enough)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "tolerated"), [(1, 0), (2, 0), (3, 1), (4, 1), (5, 2), (7, 3)]
+)
+def test_tolerated_failures_is_what_the_quorum_leaves(nodes, tolerated):
+    """An even count tolerates no more failures than one node fewer would."""
+    assert tolerated_failures(nodes) == tolerated
