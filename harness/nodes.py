@@ -441,6 +441,13 @@ class NodeSet(Sequence[RedisNode]):
         """Return every node's URL, in order."""
         return [node.url for node in self._nodes]
 
+    def require_password(self, password: str, user: str = "") -> list[str]:
+        """Put every node behind ``requirepass``; return URLs logging in as ``user``."""
+        for node in self._nodes:
+            with node.client() as client:
+                client.config_set("requirepass", password)
+        return [f"redis://{user}:{password}@{HOST}:{n.port}/0" for n in self._nodes]
+
     @property
     def ports(self) -> list[int]:
         """Return every node's port, in order."""

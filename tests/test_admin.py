@@ -340,9 +340,7 @@ def test_node_passwords_never_appear_on_any_page(
 ) -> None:
     """Nodes behind requirepass show as host:port only, even a wrong-password one."""
     protected = make_nodes(3)
-    for node in protected:
-        node.client().config_set("requirepass", PASSWORD)
-    urls = [f"redis://:{PASSWORD}@127.0.0.1:{node.port}/0" for node in protected]
+    urls = protected.require_password(PASSWORD)
     wrong = "not-the-" + PASSWORD
     urls[2] = f"redis://:{wrong}@127.0.0.1:{protected[2].port}/0"
     settings.REDLOCK = {"NODES": urls, "TTL": 10.0, "NODE_TIMEOUT": 0.2}

@@ -324,10 +324,7 @@ def test_passwords_never_appear_in_any_command_output(
 ) -> None:
     """Password URLs are shown masked in status, list and release, and in logs."""
     secured = make_nodes(3)
-    for node in secured:
-        with node.client() as client:
-            client.config_set("requirepass", PASSWORD)
-    urls = [f"redis://:{PASSWORD}@127.0.0.1:{n.port}/0" for n in secured]
+    urls = secured.require_password(PASSWORD)
     urls[2] = f"redis://user:wrong-{PASSWORD}@127.0.0.1:{secured[2].port}/0"
     settings.REDLOCK = {**redlock_settings, "NODES": urls}
     lock = Redlock("secret-lock")

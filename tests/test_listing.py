@@ -223,10 +223,7 @@ def test_password_never_appears_in_statuses_listings_or_errors(
 ) -> None:
     """Nodes behind a password show masked addresses; a bad password is no leak."""
     secured = make_nodes(3)
-    for node in secured:
-        with node.client() as client:
-            client.config_set("requirepass", PASSWORD)
-    urls = [f"redis://:{PASSWORD}@127.0.0.1:{n.port}/0" for n in secured]
+    urls = secured.require_password(PASSWORD)
     urls[2] = f"redis://:wrong-{PASSWORD}@127.0.0.1:{secured[2].port}/0"
     settings.REDLOCK = {**redlock_settings, "NODES": urls}
     lock = Redlock("secured")

@@ -58,9 +58,7 @@ def test_password_in_the_url_authenticates_and_never_reaches_errors(
     settings: Any, make_nodes: Any, redlock_settings: dict[str, Any]
 ) -> None:
     secured = make_nodes(3)
-    for node in secured:
-        node.client().config_set("requirepass", "s3cret-pass")
-    good = [f"redis://:s3cret-pass@127.0.0.1:{n.port}/0" for n in secured]
+    good = secured.require_password("s3cret-pass")
     settings.REDLOCK = {**redlock_settings, "NODES": good}
     with Redlock("secured") as lock:
         assert lock.owned()

@@ -520,10 +520,7 @@ SECRET = "n0de-pa55-never-shown"
 def secured(make_nodes: Callable[..., NodeSet]) -> list[str]:
     """Three servers behind ``requirepass``; return URLs, the last one's wrong."""
     node_set = make_nodes(3)
-    for node in node_set:
-        with node.client() as client:
-            client.config_set("requirepass", SECRET)
-    urls = [f"redis://default:{SECRET}@127.0.0.1:{n.port}/0" for n in node_set]
+    urls = node_set.require_password(SECRET, user="default")
     urls[0] = f"redis://:{SECRET}@127.0.0.1:{node_set[0].port}/0?password={SECRET}"
     urls[2] = f"redis://:wrong-{SECRET}@127.0.0.1:{node_set[2].port}/0"
     return urls
