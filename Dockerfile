@@ -8,11 +8,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# Dependencies first, so editing the shop does not reinstall them. The `load` extra
-# brings gunicorn and Locust; psycopg is the PostgreSQL driver (DATABASE_URL).
+# Dependencies first, so editing the shop does not reinstall them. The `shop` extra
+# brings dj-database-url and psycopg (DATABASE_URL, PostgreSQL); `load` brings
+# gunicorn and Locust.
 COPY pyproject.toml README.md LICENSE ./
 COPY redlock_django/ redlock_django/
-RUN pip install ".[load]" "psycopg[binary]>=3.1"
+RUN pip install ".[shop,load]"
 
 # The Django project and the Locust scenarios run from /app (not installed).
 COPY manage.py ./
