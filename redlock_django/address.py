@@ -1,8 +1,9 @@
 """What a NODES entry names: ``NodeSpec``, parsed from a URL or a cache alias.
 
-A node is one independent Redis master, given in ``REDLOCK["NODES"]`` (or a lock's
-``nodes=``) as a URL (``redis://``, ``rediss://``, ``unix://``) or as the alias of
-a Redis cache in ``CACHES``. ``parse_node()`` turns an entry into a ``NodeSpec``
+A node is one independent Redis (or Valkey) master, given in ``REDLOCK["NODES"]``
+(or a lock's ``nodes=``) as a URL (``redis://``, ``rediss://``, ``valkey://``,
+``valkeys://``, ``unix://``) or as the alias of a Redis or Valkey cache in
+``CACHES``. ``parse_node()`` turns an entry into a ``NodeSpec``
 without connecting, and ``connection_params()`` gives the redis-py connection class
 and arguments that ``nodes.py`` builds its pools from. This module reads no setting:
 ``conf.py`` hands it the ``CACHES`` setting an alias is looked up in.
@@ -13,6 +14,7 @@ string) ever goes into a message, a log line or a page.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import ipaddress
@@ -45,7 +47,23 @@ __all__ = [
 REDIS_CACHE_BACKENDS = (
     "django_redis.cache.RedisCache",
     "django.core.cache.backends.redis.RedisCache",
+    # django-valkey: a Valkey server through valkey-py; the nodes are still reached
+    # with redis-py, which speaks the same protocol.
+    "django_valkey.cache.ValkeyCache",
 )
+#: Valkey's URL schemes, read as the redis-py schemes they stand for.
+_VALKEY_SCHEMES = {"valkey": "redis", "valkeys": "rediss"}
+#: redis-py's connection class for each URL scheme.
+_SCHEME_CLASSES: dict[
+    str, type[Connection | SSLConnection | UnixDomainSocketConnection]
+] = {
+    "redis": Connection,
+    "rediss": SSLConnection,
+    "unix": UnixDomainSocketConnection,
+}
+#: The scheme of a connection class by its name: valkey-py's classes have the same
+#: names and arguments as redis-py's.
+_KINDS = {cls.__name__: scheme for scheme, cls in _SCHEME_CLASSES.items()}
 
 _DEFAULT_PORT = 6379
 # Options a URL may carry that configure the pool rather than each connection.
@@ -187,14 +205,32 @@ def connection_params(
         for name, value in pool.connection_kwargs.items()
         if name not in _POOL_STATE
     }
-    return pool.connection_class, kwargs
+    connection_class = pool.connection_class
+    if not issubclass(connection_class, AbstractConnection):
+        # A valkey-py pool (django-valkey): the redis-py class of the same kind,
+        # given only the arguments it knows.
+        scheme = next(
+            (
+                _KINDS[k.__name__]
+                for k in connection_class.__mro__
+                if k.__name__ in _KINDS
+            ),
+            "redis",
+        )
+        connection_class = _SCHEME_CLASSES[scheme]
+        known = _connection_parameters(scheme)
+        kwargs = {name: value for name, value in kwargs.items() if name in known}
+    return connection_class, kwargs
 
 
 def _parse_url(url: str) -> _Target:
     scheme = url.partition("://")[0]
-    if scheme.lower() not in ("redis", "rediss", "unix"):
+    if scheme.lower() not in ("redis", "rediss", "unix", *_VALKEY_SCHEMES):
         shown = repr(scheme) if _SCHEME_RE.fullmatch(scheme) else "of the entry"
-        raise _URLError(f"the scheme {shown} is not redis://, rediss:// or unix://")
+        raise _URLError(
+            f"the scheme {shown} is not redis://, rediss://, valkey://, valkeys:// "
+            "or unix://"
+        )
     url = _normalise_scheme(url)
     try:
         parts = urlsplit(url)
@@ -226,9 +262,9 @@ def _parse_url(url: str) -> _Target:
             raise _URLError(f"the path {path!r} is not a database number")
         db = int(path.strip("/"))
     host = unquote(parts.hostname)
-    return _Target(
-        parts.scheme, host, port or _DEFAULT_PORT, "", _check_db(db), options
-    )
+    # Shown as written: a valkey:// node stays valkey:// in messages and pages.
+    written = scheme.lower() if scheme.lower() in _VALKEY_SCHEMES else parts.scheme
+    return _Target(written, host, port or _DEFAULT_PORT, "", _check_db(db), options)
 
 
 def _check_db(db: int) -> int:
@@ -253,11 +289,7 @@ def _check_options(scheme: str, options: dict[str, Any]) -> None:
 
 @functools.cache
 def _connection_parameters(scheme: str) -> frozenset[str]:
-    connection_class: type[AbstractConnection] = {
-        "redis": Connection,
-        "rediss": SSLConnection,
-        "unix": UnixDomainSocketConnection,
-    }[scheme]
+    connection_class = _SCHEME_CLASSES[scheme]
     # Connection.__init__ passes **kwargs up to AbstractConnection.__init__, so the
     # accepted names are those of every __init__ in the MRO.
     names: set[str] = set()
@@ -318,10 +350,14 @@ def _is_redis_backend(backend: object) -> bool:
         return True
     try:
         backend_class = import_string(backend)
-        bases = tuple(import_string(path) for path in REDIS_CACHE_BACKENDS)
     except ImportError:
         return False
-    return isinstance(backend_class, type) and issubclass(backend_class, bases)
+    bases = []
+    for path in REDIS_CACHE_BACKENDS:
+        # Only the backends installed here can be subclassed.
+        with contextlib.suppress(ImportError):
+            bases.append(import_string(path))
+    return isinstance(backend_class, type) and issubclass(backend_class, tuple(bases))
 
 
 def _primary_location(location: object) -> str | None:
@@ -340,9 +376,10 @@ def _mapping(value: object) -> Mapping[str, Any]:
 
 
 def _normalise_scheme(url: str) -> str:
-    # parse_url() only accepts a lower-case scheme.
+    # parse_url() only accepts a lower-case redis-py scheme.
     scheme, _, rest = url.partition("://")
-    return f"{scheme.lower()}://{rest}"
+    scheme = scheme.lower()
+    return f"{_VALKEY_SCHEMES.get(scheme, scheme)}://{rest}"
 
 
 def _mask(entry: str) -> str:

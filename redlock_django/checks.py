@@ -147,11 +147,12 @@ HINTS = {
     "REDLOCK = {'NODES': ['redis://10.0.0.1:6379/0', 'redis://10.0.0.2:6379/0', "
     "'redis://10.0.0.3:6379/0']}.",
     "redlock.E003": "Use redis://[[user]:password@]host[:port][/db], "
-    "rediss://... for TLS, or unix:///path/to.sock?db=N; percent-encode any "
+    "rediss://... for TLS (valkey:// and valkeys:// for Valkey servers), or "
+    "unix:///path/to.sock?db=N; percent-encode any "
     "/ ? # @ : in the password.",
     "redlock.E004": "Name a CACHES alias whose BACKEND is one of "
     + ", ".join(address.REDIS_CACHE_BACKENDS)
-    + " with a single redis:// LOCATION, or write the node as a redis:// URL.",
+    + " with a single redis:// (or valkey://) LOCATION, or write the node as a URL.",
     "redlock.E005": "Give every node its own Redis server: one server listed twice "
     "votes twice, so a majority of entries is not a majority of servers.",
     "redlock.E006": "Set TTL to the lease length in seconds: a number above 0 and at "

@@ -37,7 +37,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -94,13 +94,15 @@ _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_LENGTH},40}}")
 
 @dataclass(frozen=True)
 class NodeStatus:
-    """Health of one node: reachable or not, latency, version, lock keys.
+    """Health of one node: reachable or not, latency, server, lock keys.
 
     ``address`` is ``NodeSpec.display`` (never a password). ``latency_ms`` is a
-    PING round trip on an open connection; ``version`` is INFO's
-    ``redis_version``; ``lock_keys`` counts the keys under ``<prefix>:lock:``
-    (``SCAN_CAP`` means at least that many; None when the count failed).
-    ``error`` says briefly why the node is unreachable, without credentials.
+    PING round trip on an open connection; ``server`` is ``"redis"`` or
+    ``"valkey"`` and ``version`` that server's own version (Valkey reports
+    ``valkey_version`` beside a fixed ``redis_version``); ``lock_keys`` counts
+    the keys under ``<prefix>:lock:`` (``SCAN_CAP`` means at least that many; None
+    when the count failed). ``error`` says briefly why the node is unreachable,
+    without credentials.
     """
 
     index: int
@@ -110,6 +112,14 @@ class NodeStatus:
     version: str | None
     lock_keys: int | None
     error: str | None
+    server: str | None = None
+
+    @property
+    def server_version(self) -> str | None:
+        """The server and its version in one word, e.g. ``valkey-9.1.2``."""
+        if self.version is None:
+            return None
+        return f"{self.server or 'redis'}-{self.version}"
 
 
 @dataclass(frozen=True)
@@ -238,6 +248,23 @@ def _scan(client: redis.Redis, pattern: str) -> Iterable[bytes]:
 # --- node health ----------------------------------------------------------------
 
 
+def server_of(info: Mapping[str, Any]) -> tuple[str, str | None]:
+    """Return the server kind and its own version from ``INFO server``.
+
+    Valkey keeps ``redis_version`` at 7.2.4 for clients that test it, and gives
+    its own version as ``valkey_version`` (and ``server_name:valkey`` from 8.0).
+    """
+    valkey = info.get("valkey_version")
+    if valkey is not None or info.get("server_name") in ("valkey", b"valkey"):
+        return "valkey", None if valkey is None else _text(valkey)
+    redis_version = info.get("redis_version")
+    return "redis", None if redis_version is None else _text(redis_version)
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def node_status() -> list[NodeStatus]:
     """Return the health of every configured node, in ``NODES`` order.
 
@@ -248,26 +275,20 @@ def node_status() -> list[NodeStatus]:
     conf = get_settings()
     pattern = lock_pattern(conf.key_prefix)
 
-    def probe(client: redis.Redis) -> tuple[float, str | None, int | None]:
+    def probe(client: redis.Redis) -> tuple[float, str | None, str | None, int | None]:
         # The first PING may open the connection; time the second, a pure round trip.
         client.ping()
         started = time.monotonic()
         client.ping()
         latency_ms = (time.monotonic() - started) * 1000
+        server: str | None
         version: str | None
         try:
-            info = client.info("server")
-            raw = info.get("redis_version")
-            if raw is None:
-                version = None
-            elif isinstance(raw, bytes):
-                version = raw.decode(errors="replace")
-            else:
-                version = str(raw)
+            server, version = server_of(client.info("server"))
         except redis.ConnectionError:
             raise
         except redis.RedisError:
-            version = None
+            server = version = None
         lock_keys: int | None
         try:
             lock_keys = sum(1 for _ in _scan(client, pattern))
@@ -275,7 +296,7 @@ def node_status() -> list[NodeStatus]:
             raise
         except (redis.RedisError, _DeadlineError):
             lock_keys = None
-        return latency_ms, version, lock_keys
+        return latency_ms, server, version, lock_keys
 
     statuses = []
     for node, outcome in zip(conf.nodes, _on_every_node(conf, probe), strict=True):
@@ -292,10 +313,17 @@ def node_status() -> list[NodeStatus]:
                 )
             )
         else:
-            latency_ms, version, lock_keys = outcome
+            latency_ms, server, version, lock_keys = outcome
             statuses.append(
                 NodeStatus(
-                    node.index, node.display, True, latency_ms, version, lock_keys, None
+                    node.index,
+                    node.display,
+                    True,
+                    latency_ms,
+                    version,
+                    lock_keys,
+                    None,
+                    server,
                 )
             )
     return statuses

@@ -64,11 +64,12 @@ def test_status_shows_every_node_and_succeeds_with_all_reachable(
     out, _ = run("status")
     lines = out.splitlines()
     assert lines[0].split() == ["node", "address", "reachable", "latency", "ms",
-                                "version", "lock", "keys"]  # fmt: skip
+                                "server", "lock", "keys"]  # fmt: skip
     for index, node in enumerate(nodes):
         cells = lines[1 + index].split()
         assert cells[:3] == [str(index), f"redis://127.0.0.1:{node.port}/0", "yes"]
         assert float(cells[3]) >= 0 and cells[4].count(".") == 2
+        assert cells[4].startswith(("redis-", "valkey-"))
         assert cells[5] == "1"
     assert lines[-1] == "5/5 nodes reachable, quorum 3"
 

@@ -334,7 +334,11 @@ def test_parse_node_never_shows_the_password() -> None:
 @pytest.mark.parametrize(
     ("entry", "reason"),
     [
-        ("http://h:6379", "the scheme 'http' is not redis://, rediss:// or unix://"),
+        (
+            "http://h:6379",
+            "the scheme 'http' is not redis://, rediss://, valkey://, valkeys:// "
+            "or unix://",
+        ),
         ("redis://", "no host"),
         (f"redis://:{SECRET}@/0", "no host"),
         (f"redis://:{SECRET}@h:abc/0", "the port is not a number from 1 to 65535"),
@@ -553,6 +557,49 @@ def test_connection_params_for_a_django_builtin_redis_alias(settings: Any) -> No
     assert connection_class is SSLConnection
     assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("h", 6391, 2)
     assert kwargs["ssl_cert_reqs"] == "required"
+
+
+@pytest.mark.parametrize(
+    ("entry", "display", "expected_class"),
+    [
+        ("valkey://h:6379/2", "valkey://h:6379/2", Connection),
+        ("VALKEYS://h:6380/0", "valkeys://h:6380/0", SSLConnection),
+    ],
+)
+def test_valkey_urls_are_redis_protocol_nodes_shown_as_written(
+    entry: str, display: str, expected_class: type
+) -> None:
+    """valkey:// and valkeys:// are redis:// and rediss:// to the client."""
+    node = parse_node(entry, 0)
+    connection_class, kwargs = connection_params(node)
+
+    assert node.display == display
+    assert (
+        node.identity
+        == parse_node(entry.lower().replace("valkey", "redis"), 0).identity
+    )
+    assert connection_class is expected_class
+    assert kwargs["host"] == "h"
+
+
+def test_connection_params_for_a_django_valkey_alias(settings: Any) -> None:
+    """django-valkey's pool is valkey-py's: its kind and arguments map to redis-py."""
+    settings.CACHES = {
+        **settings.CACHES,
+        "locks": {
+            "BACKEND": "django_valkey.cache.ValkeyCache",
+            "LOCATION": "valkey://127.0.0.1:6392/3",
+            "OPTIONS": {"PASSWORD": SECRET},
+        },
+    }
+    node = parse_node("locks", 0, settings.CACHES)
+
+    connection_class, kwargs = connection_params(node)
+
+    assert node.display == "cache:locks (valkey://127.0.0.1:6392/3)"
+    assert connection_class is Connection
+    assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("127.0.0.1", 6392, 3)
+    assert kwargs["password"] == SECRET
 
 
 def test_connection_params_returns_a_fresh_dict(settings: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from harness.held import fence_key, lock_key, token_on
-from harness.nodes import NodeSet
+from harness.nodes import NodeSet, RedisNode, find_redis_server
 from redlock_django import LockError, Redlock
 from redlock_django import listing as redlock_listing
 from redlock_django.listing import (
@@ -170,20 +170,42 @@ def test_describe_omits_a_key_holding_only_foreign_values(
 def test_node_status_reports_every_node_with_version_latency_and_lock_keys(
     nodes: NodeSet, hold: Callable[..., Redlock]
 ) -> None:
-    """Every node is reachable, with its Redis version and lock-key count."""
+    """Every node is reachable, with its server, version and lock-key count."""
     hold("one")
     hold("two")
     nodes[3].clog(lock_key("three"))
     with nodes[0].client() as client:
-        version = client.info("server")["redis_version"]
+        info = client.info("server")
+    server = "valkey" if "valkey_version" in info else "redis"
+    version = info.get("valkey_version", info["redis_version"])
     statuses = node_status()
     assert [s.index for s in statuses] == [0, 1, 2, 3, 4]
     for status, node in zip(statuses, nodes, strict=True):
         assert status.reachable and status.error is None
         assert status.address == f"redis://127.0.0.1:{node.port}/0"
-        assert status.version == str(version)
+        assert (status.server, status.version) == (server, str(version))
         assert status.latency_ms is not None and 0 < status.latency_ms < 500
     assert [s.lock_keys for s in statuses] == [2, 2, 2, 3, 2]
+
+
+def test_node_status_tells_valkey_from_redis_with_each_servers_own_version(
+    settings: Any, tmp_path: Any, redlock_settings: dict[str, Any]
+) -> None:
+    """A mixed set shows "redis-7…" and "valkey-9…", not Valkey's fixed 7.2.4."""
+    nodes = NodeSet(
+        RedisNode(tmp_path / name, server=find_redis_server(name))
+        for name in ("redis", "valkey", "valkey")
+    )
+    nodes.start_all()
+    try:
+        settings.REDLOCK = {**redlock_settings, "NODES": nodes.urls}
+        statuses = node_status()
+    finally:
+        nodes.stop_all()
+    assert [s.server for s in statuses] == ["redis", "valkey", "valkey"]
+    assert statuses[0].version is not None and statuses[0].version[0] in "67"
+    assert statuses[1].version is not None and statuses[1].version.startswith("9.")
+    assert statuses[1].server_version == f"valkey-{statuses[1].version}"
 
 
 def test_node_status_reports_stopped_and_paused_nodes_in_bounded_time(

@@ -11,7 +11,7 @@ import redis
 from redis.backoff import NoBackoff
 
 from harness.held import lock_key
-from harness.nodes import find_redis_server
+from harness.nodes import NodeSet, RedisNode, find_redis_server
 from redlock_django import QuorumUnavailableError, Redlock
 from redlock_django import nodes as node_pools
 from redlock_django.conf import get_settings
@@ -31,6 +31,40 @@ def test_lock_reuses_a_django_redis_cache_alias(
     settings.REDLOCK = {**redlock_settings, "NODES": ["locks", *nodes.urls[1:3]]}
     with Redlock("aliased"):
         assert [n.client().exists(lock_key("aliased")) for n in nodes[:3]] == [1] * 3
+
+
+def test_lock_runs_on_valkey_servers_named_by_url_and_by_django_valkey_alias(
+    settings: Any, tmp_path: Any, redlock_settings: dict[str, Any]
+) -> None:
+    """Three real valkey-servers: a valkey:// URL, a django-valkey alias, a redis://."""
+    valkeys = NodeSet(
+        RedisNode(tmp_path / f"v{i}", server=find_redis_server("valkey"))
+        for i in range(3)
+    )
+    valkeys.start_all()
+    try:
+        settings.CACHES = {
+            "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+            "locks": {
+                "BACKEND": "django_valkey.cache.ValkeyCache",
+                "LOCATION": valkeys[1].url.replace("redis://", "valkey://"),
+            },
+        }
+        urls = [
+            valkeys[0].url.replace("redis://", "valkey://"),
+            "locks",
+            valkeys[2].url,
+        ]
+        settings.REDLOCK = {**redlock_settings, "NODES": urls}
+        with Redlock("on-valkey", fencing=True) as lock:
+            held = [n.client().exists(lock_key("on-valkey")) for n in valkeys]
+            assert lock.fencing_token == 1
+        assert held == [1, 1, 1]
+        assert not any(n.client().exists(lock_key("on-valkey")) for n in valkeys)
+        [version] = {n.client().info("server")["valkey_version"] for n in valkeys}
+        assert version.startswith("9.")
+    finally:
+        valkeys.stop_all()
 
 
 def test_pools_use_the_node_timeout_and_never_retry(

@@ -93,8 +93,8 @@ class Command(BaseCommand):
             help="Show each node's health and whether a quorum is reachable.",
             description=(
                 "Show every node: masked address, reachable or not, PING latency, "
-                "Redis version and lock keys. Exit 0 when at least a quorum of "
-                f"nodes is reachable, {EXIT_NO_QUORUM} otherwise."
+                "server (Redis or Valkey) and version, and lock keys. Exit 0 when "
+                f"at least a quorum of nodes is reachable, {EXIT_NO_QUORUM} otherwise."
             ),
         )
         status.set_defaults(run=self.handle_status)
@@ -158,14 +158,14 @@ class Command(BaseCommand):
                 status.address,
                 "yes" if status.reachable else "no",
                 "-" if status.latency_ms is None else f"{status.latency_ms:.2f}",
-                status.version or "-",
+                status.server_version or "-",
                 _lock_keys(status.lock_keys),
                 status.error or "",
             ]
             for status in statuses
         ]
         self._table(
-            ["node", "address", "reachable", "latency ms", "version", "lock keys", ""],
+            ["node", "address", "reachable", "latency ms", "server", "lock keys", ""],
             rows,
         )
         reachable = sum(status.reachable for status in statuses)
