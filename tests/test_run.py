@@ -482,3 +482,27 @@ def test_a_valid_singleton_command_does_reach_the_nodes(
     call("singleton_job", str(work))
     after = commands_processed()
     assert all(a - b > 1 for a, b in zip(after, before, strict=True))
+
+
+def test_a_singleton_command_sees_a_lost_lease_and_ends_with_125(
+    redlock_settings: dict[str, Any], nodes: NodeSet, work: Path
+) -> None:
+    """handle() reads self.lock.lost; the run then fails with returncode 125."""
+    seen: list[bool] = []
+
+    class Frozen(SingletonJob):
+        lock_ttl = 1.0
+
+        def handle(self, *args: Any, **options: Any) -> None:
+            assert self.lock is not None
+            seen.append(self.lock.lost)
+            for node in nodes[:3]:
+                node.pause()
+            wait_for(lambda: self.lock is not None and self.lock.lost, timeout=5.0)
+            seen.append(self.lock.lost)
+            nodes.resume_all()
+
+    with pytest.raises(CommandError, match="was lost while held") as info:
+        call(Frozen(), str(work))
+    assert info.value.returncode == EXIT_LOST
+    assert seen == [False, True]
