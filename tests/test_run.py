@@ -364,14 +364,15 @@ def commands_processed(nodes: NodeSet) -> Iterator[Callable[[], list[int]]]:
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        (["bad\x01name", "--", "true"], 1, "contains control characters"),
-        (["x" * 2000, "--", "true"], 1, "the limit is"),
-        ([RESOURCE, "--wait", "-1", "--", "true"], 2, "argument --wait: must be"),
-        ([RESOURCE, "--ttl", "0", "--", "true"], 2, "argument --ttl: must be"),
-        ([RESOURCE], 2, "no command to run: give it after '--'"),
-        ([RESOURCE, "--"], 2, "no command to run"),
+        (["run", "bad\x01name", "--", "true"], 1, "contains control characters"),
+        (["run", "x" * 2000, "--", "true"], 1, "the limit is"),
+        (["run", RESOURCE, "--wait", "-1", "--", "true"], 2, "--wait: must be"),
+        (["run", RESOURCE, "--ttl", "0", "--", "true"], 2, "--ttl: must be"),
+        (["run", RESOURCE], 2, "no command to run: give it after '--'"),
+        (["run", RESOURCE, "--"], 2, "no command to run"),
+        (["list", "--", "true"], 2, "only for 'run', not 'list'"),
     ],
-    ids=["control-char", "too-long", "wait<0", "ttl=0", "no-command", "empty"],
+    ids=["control-char", "too-long", "wait<0", "ttl=0", "no-command", "empty", "list"],
 )
 def test_bad_input_is_refused_before_anything_reaches_the_nodes(
     start: Callable[..., subprocess.Popen[str]],
@@ -381,7 +382,7 @@ def test_bad_input_is_refused_before_anything_reaches_the_nodes(
     message: str,
 ) -> None:
     before = commands_processed()
-    status, _, err = finish(start("redlock", "run", *args))
+    status, _, err = finish(start("redlock", *args))
     assert (status, message in err) == (code, True), err
     # The only command in between is the first INFO itself.
     assert commands_processed() == [total + 1 for total in before]

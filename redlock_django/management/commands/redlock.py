@@ -168,6 +168,11 @@ class Command(BaseCommand):
             get_settings()
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc), returncode=EXIT_REFUSED) from None
+        if getattr(self, "_command_line", None) and options["verb"] != "run":
+            raise CommandError(
+                f"'--' and a command line are only for 'run', not {options['verb']!r}",
+                returncode=runner.EXIT_USAGE,
+            )
         options["run"](**options)
 
     # --- status ---------------------------------------------------------------------
