@@ -3,6 +3,7 @@
 See ``Redlock`` for the lock itself and ``exceptions`` for what it raises.
 """
 
+from .command import SingletonCommandMixin
 from .decorators import DistributedLockMixin, distributed_lock
 from .exceptions import (
     LockContentionError,
@@ -36,6 +37,7 @@ __all__ = [
     "MissingFencingTokenError",
     "QuorumUnavailableError",
     "Redlock",
+    "SingletonCommandMixin",
     "StaleFencingTokenError",
     "__version__",
     "afenced_update",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import random
 import secrets
 import threading
@@ -73,10 +74,11 @@ class Redlock:
 
     ``ttl`` is the lease in seconds: a holder that dies frees the lock after it.
     ``auto_extend`` keeps extending the lease while held (up to ``max_hold``
-    seconds in all); ``fencing`` gives every acquisition a ``fencing_token``
-    greater than that of every earlier holder, for storage to reject stale
-    writers. ``nodes`` overrides ``REDLOCK["NODES"]``; ``label`` is shown with
-    the holder's host, pid and thread in the admin. Unset options come from
+    seconds in all; ``math.inf``: no cap, whatever ``MAX_HOLD`` says);
+    ``fencing`` gives every acquisition a ``fencing_token`` greater than that of
+    every earlier holder, for storage to reject stale writers. ``nodes``
+    overrides ``REDLOCK["NODES"]``; ``label`` is shown with the holder's host,
+    pid and thread in the admin. Unset options come from
     ``settings.REDLOCK``. ``reentrant=False`` makes a second acquire by the same
     owner wait like anyone else's.
     """
@@ -99,7 +101,8 @@ class Redlock:
     ) -> None:
         self.resource = check_resource(resource, MAX_NAME_LENGTH)
         check_seconds("ttl", ttl, allow_none=True)
-        check_seconds("max_hold", max_hold, allow_none=True)
+        if max_hold != math.inf:
+            check_seconds("max_hold", max_hold, allow_none=True)
         check_seconds("node_timeout", node_timeout, allow_none=True)
         check_seconds("retry_delay", retry_delay, allow_none=True, allow_zero=True)
         check_seconds("retry_jitter", retry_jitter, allow_none=True, allow_zero=True)

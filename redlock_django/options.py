@@ -9,6 +9,7 @@ and the watchdog need.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,8 @@ def resolve(
         node_timeout=node_timeout,
         wait_timeout=merged.wait_timeout,
         auto_extend=merged.auto_extend,
-        max_hold=merged.max_hold,
+        # math.inf, given to one lock: extend without a cap whatever MAX_HOLD says.
+        max_hold=None if merged.max_hold == math.inf else merged.max_hold,
         wake_ups=merged.wake_ups,
         identity=(tuple(n.identity for n in merged.nodes), spec.key),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import threading
@@ -331,6 +332,25 @@ async def test_without_watchdog_the_same_hold_loses_the_lock(
     await other.release(lock)
 
 
+async def test_max_hold_inf_extends_past_the_max_hold_setting(
+    api: SyncAPI, other: SyncAPI, nodes: Any, settings: Any
+) -> None:
+    """``max_hold=math.inf`` lifts the cap of ``MAX_HOLD`` for one lock."""
+    settings.REDLOCK = {**settings.REDLOCK, "TTL": 0.3, "MAX_HOLD": 0.6}
+    capped = Redlock("capped-by-setting", ttl=0.3, auto_extend=True)
+    uncapped = Redlock("uncapped", ttl=0.3, auto_extend=True, max_hold=math.inf)
+    await api.acquire(capped)
+    await api.acquire(uncapped)
+    await asyncio.sleep(1.0)
+    # The control: the setting's cap ended the first lock's extensions.
+    assert await other.acquire(capped, blocking=False)
+    assert not await other.acquire(uncapped, blocking=False)
+    await api.release(uncapped)
+    await other.release(capped)
+    with pytest.raises(LockLostError):
+        await api.release(capped)
+
+
 async def test_watchdog_reports_loss_when_a_majority_of_nodes_stops_answering(
     api: SyncAPI, nodes: Any
 ) -> None:
@@ -424,7 +444,8 @@ def test_bad_resource_names_are_rejected(resource: Any) -> None:
         {"ttl": float("inf")},
         {"ttl": 86401},
         {"max_hold": 0},
-        {"max_hold": float("inf")},
+        {"max_hold": float("nan")},
+        {"max_hold": -float("inf")},
         {"node_timeout": float("nan")},
         {"retry_delay": -0.1},
         {"drift_factor": 0.7},

@@ -27,6 +27,7 @@ PUBLIC_API = {
     "MissingFencingTokenError",
     "QuorumUnavailableError",
     "Redlock",
+    "SingletonCommandMixin",
     "StaleFencingTokenError",
     "__version__",
     "afenced_update",

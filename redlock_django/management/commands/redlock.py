@@ -1,4 +1,7 @@
-"""``manage.py redlock status | list | release RESOURCE``: locks from a shell."""
+"""``manage.py redlock status | list | release | run``: locks from a shell.
+
+``run`` lives in ``redlock_django.runner``; this file parses its command line.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from django.core.management.base import (
     DjangoHelpFormatter,
 )
 
-from redlock_django import listing
+from redlock_django import listing, runner
 from redlock_django.conf import get_settings
 from redlock_django.keys import check_resource
 from redlock_django.protocol import has_quorum, quorum, unanswered_may_hold
@@ -39,7 +42,8 @@ exit codes:
      confirmed (no --yes while stdin is not a terminal, or an answer other than yes)
   2  bad command line
   3  fewer than a quorum of nodes answered: status; or release, which then
-     cannot tell whether the lock is still held (it ends when its lease runs out)
+     cannot tell whether the lock is still held (it ends when its lease runs out);
+     or run, which then did not start the command
   4  release found nothing to release: no lock on RESOURCE, or it changed
      hands or ended between being shown and being released
 """
@@ -74,7 +78,8 @@ class Command(BaseCommand):
         "Inspect and operate Redlock locks:\n"
         "  status            the health of every node, and whether a quorum answers\n"
         "  list              the locks held now, merged across the nodes\n"
-        "  release RESOURCE  force-release one lock, after confirmation\n\n"
+        "  release RESOURCE  force-release one lock, after confirmation\n"
+        "  run RESOURCE -- COMMAND [ARGS...]  run a program while holding the lock\n\n"
         + EXIT_CODES
     )
     # A file-like object with isatty() and readline(), for tests; sys.stdin otherwise.
@@ -138,14 +143,36 @@ class Command(BaseCommand):
             help="Do not ask for confirmation (required when stdin is not a terminal).",
         )
         release.set_defaults(run=self.handle_release)
-        for verb in (status, list_locks, release):
+        run = verbs.add_parser(
+            "run",
+            help="Run a program while holding the lock; 75 if already running.",
+            usage=runner.USAGE,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            description=runner.DESCRIPTION,
+        )
+        runner.add_arguments(run)
+        run.set_defaults(run=self.handle_run)
+        for verb in (status, list_locks, release, run):
             _accept_base_options(verb)
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        # argparse cannot tell a subcommand's options from the program's after
+        # "--", so the program's command line is split off first.
+        if "--" in argv:
+            at = argv.index("--")
+            argv, self._command_line = argv[:at], argv[at + 1 :]
+        super().run_from_argv(argv)
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             get_settings()
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc), returncode=EXIT_REFUSED) from None
+        if getattr(self, "_command_line", None) and options["verb"] != "run":
+            raise CommandError(
+                f"'--' and a command line are only for 'run', not {options['verb']!r}",
+                returncode=runner.EXIT_USAGE,
+            )
         options["run"](**options)
 
     # --- status ---------------------------------------------------------------------
@@ -306,6 +333,13 @@ class Command(BaseCommand):
                 f"released {resource!r} on {len(outcome.released)}/{count} nodes"
             )
         )
+
+    # --- run ----------------------------------------------------------------------
+
+    def handle_run(self, **options: Any) -> None:
+        status = runner.main(getattr(self, "_command_line", []), **options)
+        if status:
+            raise SystemExit(status)
 
     def _confirm(self, lock: listing.ListedLock, stdin: TextIO) -> None:
         if not stdin.isatty():
