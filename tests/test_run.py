@@ -218,7 +218,9 @@ def test_a_held_lock_exits_75_skips_or_waits(
     nodes: NodeSet,
 ) -> None:
     """Held elsewhere: 75 at once; 0 with --skip; 75 after --wait; runs once freed."""
-    holder = hold(RESOURCE)
+    # Four Django processes start before the release: on a loaded machine that
+    # can outlast the default 10 s lease, which would free the lock early.
+    holder = hold(RESOURCE, ttl=120)
     count = [*CHILD, "count", str(work)]
     code, out, err = finish(start("redlock", "run", RESOURCE, "--", *count))
     assert (code, out) == (EXIT_ALREADY_RUNNING, "")
