@@ -15,6 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from harness.held import lock_key, tokens
 from redlock_django import (
     LockContentionError,
+    LockLostError,
     QuorumUnavailableError,
     Redlock,
     current_lock,
@@ -22,6 +23,7 @@ from redlock_django import (
 )
 from redlock_django.functions import SKIPPED, FunctionLock
 from redlock_django.meta import decode
+from tests.test_mutex import WORKERS, run_workers
 
 pytestmark = pytest.mark.usefixtures("redlock_settings")
 
@@ -442,3 +444,203 @@ async def test_async_current_lock_is_the_running_calls_lock() -> None:
 
     assert await export(Obj(3)) == ("export:3", True, False)
     assert current_lock() is None
+
+
+# Mutual exclusion: a GET-then-SET counter stays exact only under the lock.
+
+
+def increment(client: Any, name: str) -> None:
+    """Add one to ``counter`` by GET then SET, 2 ms apart: a lost-update race."""
+    value = int(client.get("counter") or 0)
+    time.sleep(0.002)
+    client.set("counter", value + 1)
+
+
+def race(nodes: Any, step: Callable[[Any, str], None], iterations: int) -> int:
+    """Run ``step`` ``iterations`` times in each of two threads started together;
+    return the counter they left (and reset it)."""
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def loop(name: str) -> None:
+        with nodes[0].client() as client:
+            try:
+                start.wait(10)
+                for _ in range(iterations):
+                    step(client, name)
+            except BaseException as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(f"t{i}",)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    with nodes[0].client() as client:
+        return int(client.getset("counter", 0) or 0)
+
+
+def test_two_threads_lose_updates_without_the_lock_and_none_with_it(
+    nodes: Any,
+) -> None:
+    """The negative control first: the same body without ``@locked`` loses counts."""
+    iterations = 40
+    unlocked = race(nodes, increment, iterations)
+    print(f"threads without the lock: {unlocked}/{2 * iterations}")
+    assert unlocked < 2 * iterations, unlocked
+
+    locked_run = race(nodes, locked("counter:all", timeout=10)(increment), iterations)
+    assert locked_run == 2 * iterations
+
+
+def test_processes_lose_updates_without_the_lock_and_none_with_locked(
+    nodes: Any,
+) -> None:
+    """4 processes x 50 increments, 1 ms between GET and SET (``tests/_workers.py``):
+    plain calls lose updates, ``@locked`` functions and coroutines lose none."""
+    iterations = 50
+    expected = WORKERS * iterations
+    unlocked = run_workers(nodes, mode="none", iterations=iterations, gap=0.001)
+    print(f"processes without the lock: {unlocked.counter}/{expected}")
+    assert unlocked.overlaps > 0
+    assert unlocked.counter < expected
+
+    for mode in ("locked", "alocked"):
+        outcome = run_workers(nodes, mode=mode, iterations=iterations, gap=0.001)
+        assert outcome.counter == expected, (mode, outcome.results)
+        assert outcome.overlaps == 0
+        assert outcome.handoffs >= 10, (mode, outcome.handoffs)
+
+
+# Lease: extended while the function runs, capped by max_hold; a lost lease shows.
+
+
+def contend(resource: str) -> bool:
+    """Try ``resource`` once from another thread; True if it was free."""
+
+    def attempt() -> bool:
+        lock = Redlock(resource)
+        if not lock.acquire(blocking=False):
+            return False
+        lock.release()
+        return True
+
+    return bool(in_thread(attempt))
+
+
+def test_auto_extension_keeps_a_call_longer_than_the_ttl_held(nodes: Any) -> None:
+    seen = []
+
+    @locked("slow:{n}", ttl=0.5)
+    def slow(n: int) -> None:
+        time.sleep(1.2)
+        seen.append(contend(f"slow:{n}"))
+        seen.append(current_lock().lost)  # type: ignore[union-attr]
+
+    slow(1)
+    assert seen == [False, False]
+    assert tokens(nodes, "slow:1") == [None] * 5
+
+
+def test_without_auto_extension_the_lease_runs_out_under_a_long_call(
+    nodes: Any,
+) -> None:
+    """The negative control: ``auto_extend=False`` and a call longer than the TTL
+    lets another owner in, and the call ends with ``LockLostError``."""
+    seen = []
+
+    @locked("slow:{n}", ttl=0.5, auto_extend=False)
+    def slow(n: int) -> None:
+        time.sleep(1.2)
+        seen.append(current_lock().lost)  # type: ignore[union-attr]
+        seen.append(contend(f"slow:{n}"))
+
+    with pytest.raises(LockLostError):
+        slow(1)
+    assert seen == [True, True]
+
+
+def test_max_hold_caps_the_extension(nodes: Any) -> None:
+    seen = []
+
+    @locked("slow:{n}", ttl=0.5, max_hold=0.8)
+    def slow(n: int) -> None:
+        lock = current_lock()
+        assert lock is not None
+        deadline = time.monotonic() + 5
+        while not lock.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen.append(lock.lost)
+
+    started = time.monotonic()
+    with pytest.raises(LockLostError):
+        slow(1)
+    assert seen == [True]
+    assert time.monotonic() - started < 2.5
+
+
+def test_current_lock_lost_turns_true_when_a_majority_stalls(
+    nodes: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """3 of 5 nodes SIGSTOPped past the TTL: the watchdog cannot extend, the body
+    sees ``current_lock().lost`` within the TTL and stops; the call raises
+    ``LockLostError`` at release."""
+    seen: dict[str, Any] = {}
+
+    @locked("job:{n}", ttl=0.6)
+    def job(n: int) -> None:
+        lock = current_lock()
+        assert lock is not None and not lock.lost
+        paused = time.monotonic()
+        for node in nodes[:3]:
+            node.pause()
+        try:
+            while not lock.lost and time.monotonic() - paused < 5:
+                time.sleep(0.01)
+            seen["lost_after"] = time.monotonic() - paused
+            seen["lost"] = lock.lost
+        finally:
+            for node in nodes[:3]:
+                node.resume()
+
+    with pytest.raises(LockLostError):
+        job(1)
+    assert seen["lost"] is True
+    assert seen["lost_after"] < 0.6 + 0.3, seen
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_fencing_the_next_write_after_a_lost_lease_raises(nodes: Any) -> None:
+    """The lease is lost (majority stalled past the TTL) and another call takes
+    the lock and writes: the first call's next fenced write raises, and its
+    exception, not the loss, is what the caller sees."""
+    from redlock_django import StaleFencingTokenError, fenced_update
+    from tests.models import FencedItem
+
+    item = FencedItem.objects.create(name="stock", stock=10)
+    order = []
+
+    @locked("item:{item_id}", ttl=0.6, fencing=True)
+    def sell(item_id: int, stall: bool) -> None:
+        lock = current_lock()
+        assert lock is not None
+        row = FencedItem.objects.get(pk=item_id)
+        if stall:
+            for node in nodes[:3]:
+                node.pause()
+            try:
+                while not lock.lost:
+                    time.sleep(0.01)
+            finally:
+                for node in nodes[:3]:
+                    node.resume()
+            in_thread(lambda: sell(item_id, stall=False))
+        fenced_update(row, lock, stock=row.stock - 1, raise_on_stale=True)
+        order.append("stalled" if stall else "fresh")
+
+    with pytest.raises(StaleFencingTokenError):
+        sell(item.pk, stall=True)
+    assert order == ["fresh"]
+    item.refresh_from_db()
+    assert item.stock == 9
