@@ -7,7 +7,10 @@ something serialises it. ``--mode`` picks what does:
 
 - ``sync``: ``with Redlock(...)`` around each increment, in ``--concurrency`` threads;
 - ``async``: ``async with Redlock(...)`` in ``--concurrency`` asyncio tasks;
-- ``none``: nothing (the negative control), in ``--concurrency`` threads.
+- ``none``: nothing (the negative control), in ``--concurrency`` threads;
+- ``locked``: an ``@locked("<resource>:{slot}")`` function around each increment,
+  in ``--concurrency`` threads;
+- ``alocked``: an ``@locked`` coroutine, in ``--concurrency`` asyncio tasks.
 
 The code between GET and SET is the same in every mode. ``--gap`` seconds pass
 between them, to widen the race window. Inside each increment the worker also
@@ -62,7 +65,9 @@ class Keys:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tests._workers")
     parser.add_argument("--name", required=True, help="this worker's name")
-    parser.add_argument("--mode", choices=("sync", "async", "none"), required=True)
+    parser.add_argument(
+        "--mode", choices=("sync", "async", "none", "locked", "alocked"), required=True
+    )
     parser.add_argument("--nodes", required=True, help="comma-separated Redis URLs")
     parser.add_argument("--counter-url", required=True)
     parser.add_argument("--prefix", required=True)
@@ -118,9 +123,14 @@ async def aincrement(
 
 
 def run_threads(args: argparse.Namespace, keys: Keys, deadline: float) -> int:
-    from redlock_django import Redlock
+    from redlock_django import Redlock, locked
 
     lock = Redlock(args.resource)
+
+    @locked(f"{args.resource}:{{slot}}")
+    def locked_increment(client: redis.Redis, name: str, slot: int = 0) -> int:
+        return increment(client, keys, name, args.gap)
+
     overlaps: list[int] = []
     errors: list[BaseException] = []
 
@@ -130,6 +140,9 @@ def run_threads(args: argparse.Namespace, keys: Keys, deadline: float) -> int:
                 for _ in range(args.iterations):
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"{name}: deadline passed")
+                    if args.mode == "locked":
+                        overlaps.append(locked_increment(client, name))
+                        continue
                     guard = lock if args.mode == "sync" else contextlib.nullcontext()
                     with guard:
                         overlaps.append(increment(client, keys, name, args.gap))
@@ -152,14 +165,21 @@ def run_threads(args: argparse.Namespace, keys: Keys, deadline: float) -> int:
 
 
 async def run_tasks(args: argparse.Namespace, keys: Keys, deadline: float) -> int:
-    from redlock_django import Redlock
+    from redlock_django import Redlock, locked
 
     lock = Redlock(args.resource)
     client = redis.asyncio.Redis.from_url(args.counter_url)
 
+    @locked(f"{args.resource}:{{slot}}")
+    async def locked_increment(name: str, slot: int = 0) -> int:
+        return await aincrement(client, keys, name, args.gap)
+
     async def loop(name: str) -> int:
         overlaps = 0
         for _ in range(args.iterations):
+            if args.mode == "alocked":
+                overlaps += await locked_increment(name)
+                continue
             async with lock:
                 overlaps += await aincrement(client, keys, name, args.gap)
         return overlaps
@@ -182,7 +202,7 @@ def main(argv: Sequence[str]) -> int:
     with redis.Redis.from_url(args.counter_url) as client:
         wait_for_go(client, keys, deadline)
     started = time.monotonic()
-    if args.mode == "async":
+    if args.mode in ("async", "alocked"):
         overlaps = asyncio.run(run_tasks(args, keys, deadline))
     else:
         overlaps = run_threads(args, keys, deadline)
