@@ -22,12 +22,13 @@ TASKS = {
 }
 
 if os.environ.get("REDLOCK_TEST_NODES"):
+    _TTL = float(os.environ.get("REDLOCK_TEST_TTL", "10"))
     REDLOCK = {
         "NODES": os.environ["REDLOCK_TEST_NODES"].split(","),
-        "TTL": float(os.environ.get("REDLOCK_TEST_TTL", "10")),
-        # Two cores shared by the workers, the nodes and pytest: generous per-node
-        # timeouts, short retries so a waiting worker keeps trying.
-        "NODE_TIMEOUT": 0.5,
+        "TTL": _TTL,
+        # Two cores shared by the workers, the nodes and pytest: per-node timeouts
+        # as generous as W003 allows, short retries so a waiting worker keeps trying.
+        "NODE_TIMEOUT": min(0.5, _TTL / 20),
         "RETRY_DELAY": 0.01,
         "RETRY_JITTER": 0.01,
         "WAIT_TIMEOUT": 30.0,
