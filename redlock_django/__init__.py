@@ -13,6 +13,7 @@ from .exceptions import (
     QuorumUnavailableError,
     StaleFencingTokenError,
 )
+from .functions import current_lock, locked
 from .lock import Redlock
 from .orm import (
     FencedQuerySet,
@@ -39,8 +40,10 @@ __all__ = [
     "StaleFencingTokenError",
     "__version__",
     "afenced_update",
+    "current_lock",
     "distributed_lock",
     "fenced_update",
+    "locked",
     "model_lock",
     "model_resource",
 ]

@@ -1,8 +1,9 @@
-"""Resource templates of ``distributed_lock``: parsed once, rendered per request.
+"""Resource templates of ``distributed_lock`` and ``locked``: parsed once, rendered
+per request or call.
 
-A template is checked once, when the view is decorated; the values a request puts
-into it are checked every time, since they come from the client. This module owns
-both checks and the characters a resource name may hold.
+A template is checked once, when the view or function is decorated; the values a
+request or a call puts into it are checked every time, since they come from
+outside. This module owns both checks and the characters a resource name may hold.
 
 A template is literal text with ``{name}`` placeholders over the view's URL kwargs
 and ``{request.attr.attr}`` placeholders over attributes of the request (no
@@ -18,12 +19,19 @@ Values from the request are not trusted. Each one must be at most
 whitespace, so a kwarg like ``"1:admin"`` cannot name another resource, and the
 whole resource at most ``MAX_RESOURCE_LENGTH``. Anything else raises
 ``RejectedError``, which the decorator answers with a 400 before any lock is taken.
+
+Function templates (``parse_template(template, parameters=...)``, used by
+``functions.locked``) have ``{param}`` and ``{param.attr.attr}`` placeholders over
+the function's parameters, with the same limits (no private attributes, no
+methods); ``render_arguments`` renders them from the bound arguments of a call,
+refusing bad values with the same ``RejectedError``.
 """
 
 from __future__ import annotations
 
 import re
 import string
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +48,7 @@ __all__ = [
     "check_name",
     "parse_template",
     "render",
+    "render_arguments",
 ]
 
 #: Longest value a placeholder may put into a resource name, in characters.
@@ -70,10 +79,12 @@ class RejectedError(Exception):
 
 @dataclass(frozen=True)
 class Placeholder:
-    """One ``{field}`` of a template: a view kwarg or a request attribute path."""
+    """One ``{field}`` of a template: a view kwarg or a request attribute path,
+    or in a function template a parameter and an attribute path on it."""
 
     field: str
-    #: The view kwarg it reads, or None for a ``request.`` attribute path.
+    #: The view kwarg (function parameter) it reads, or None for a ``request.``
+    #: attribute path.
     kwarg: str | None
     attributes: tuple[str, ...] = ()
 
@@ -89,6 +100,29 @@ class Template:
     @property
     def kwargs(self) -> frozenset[str]:
         return frozenset(p.kwarg for p in self.placeholders if p.kwarg is not None)
+
+
+def _parse_parameter(
+    template: str, field: str, parameters: Collection[str], owner: str
+) -> Placeholder:
+    def bad(why: str) -> ImproperlyConfigured:
+        return ImproperlyConfigured(
+            f"lock resource {template!r}{owner}: placeholder {{{field}}} {why}"
+        )
+
+    parts = field.split(".")
+    if not all(_IDENTIFIER.match(part) for part in parts):
+        raise bad(
+            "is not a parameter name or an attribute path: only {param} and "
+            "{param.attr.attr} are allowed (no indexing, no positions)"
+        )
+    if parts[0] not in parameters:
+        known = ", ".join(parameters) or "none"
+        raise bad(f"names no parameter of the function (parameters: {known})")
+    private = [part for part in parts[1:] if part.startswith("_")]
+    if private:
+        raise bad(f"reads the private attribute {private[0]!r}")
+    return Placeholder(field, kwarg=parts[0], attributes=tuple(parts[1:]))
 
 
 def _parse_placeholder(template: str, field: str) -> Placeholder:
@@ -115,8 +149,18 @@ def _parse_placeholder(template: str, field: str) -> Placeholder:
     return Placeholder(field, kwarg=None, attributes=tuple(parts[1:]))
 
 
-def parse_template(template: str) -> Template:
-    """Parse and check ``template``; raise ``ImproperlyConfigured`` if malformed."""
+def parse_template(
+    template: str, parameters: Collection[str] | None = None, owner: str = ""
+) -> Template:
+    """Parse and check ``template``; raise ``ImproperlyConfigured`` if malformed.
+
+    With ``parameters`` (a function's parameter names) it is a function template:
+    each placeholder must start with one of them; ``owner`` names the function
+    in messages.
+    """
+    where = f" of {owner}" if owner else ""
+    if not isinstance(template, str):
+        raise ImproperlyConfigured(f"lock resource{where} must be a string")
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
@@ -133,7 +177,10 @@ def parse_template(template: str) -> Template:
                 f"lock resource {template!r}: placeholder {{{field}}} has a "
                 f"conversion or format spec; write plain {{name}} placeholders"
             )
-        placeholders.append(_parse_placeholder(template, field))
+        if parameters is None:
+            placeholders.append(_parse_placeholder(template, field))
+        else:
+            placeholders.append(_parse_parameter(template, field, parameters, where))
         literals.append(literal)
         literal = ""
     literals.append(literal)
@@ -154,7 +201,41 @@ def parse_template(template: str) -> Template:
     return Template(template, tuple(literals), tuple(placeholders))
 
 
-# Values: checked at every request.
+# Values: checked at every request and call.
+
+
+def _read(placeholder: Placeholder, value: Any) -> Any:
+    """Follow ``placeholder``'s attribute path from ``value``.
+
+    Raise ``AttributeError`` when an attribute is missing, ``TypeError`` when
+    the path ends on a method.
+    """
+    for attribute in placeholder.attributes:
+        value = getattr(value, attribute)
+    if placeholder.attributes and callable(value):
+        raise TypeError("is a method, not a value")
+    return value
+
+
+def _checked(placeholder: Placeholder, value: Any) -> str:
+    """Return ``value`` as text for ``placeholder``; raise ``RejectedError``."""
+    if value is None:
+        raise RejectedError(f"{{{placeholder.field}}} has no value")
+    text = str(value)
+    if not text:
+        raise RejectedError(f"{{{placeholder.field}}} is empty")
+    if len(text) > MAX_VALUE_LENGTH:
+        raise RejectedError(
+            f"{{{placeholder.field}}} is {len(text)} characters long; "
+            f"the limit is {MAX_VALUE_LENGTH}"
+        )
+    char = _bad_character(text, _FORBIDDEN)
+    if char is not None:
+        raise RejectedError(
+            f"{{{placeholder.field}}} contains {char!r}, which a resource name "
+            "cannot hold"
+        )
+    return text
 
 
 def _value(
@@ -176,37 +257,16 @@ def _value(
             )
         value = kwargs[placeholder.kwarg]
     else:
-        value = request
-        for attribute in placeholder.attributes:
-            try:
-                value = getattr(value, attribute)
-            except AttributeError as exc:
-                raise ImproperlyConfigured(
-                    f"lock resource {template.source!r} of view {view_name}: "
-                    f"placeholder {{{placeholder.field}}} cannot be read: {exc}"
-                ) from exc
-        if callable(value):
+        try:
+            value = _read(placeholder, request)
+        except (AttributeError, TypeError) as exc:
             raise ImproperlyConfigured(
                 f"lock resource {template.source!r} of view {view_name}: "
-                f"placeholder {{{placeholder.field}}} is a method, not a value"
-            )
-    if value is None:
-        raise RejectedError(f"{{{placeholder.field}}} has no value")
-    text = str(value)
-    if not text:
-        raise RejectedError(f"{{{placeholder.field}}} is empty")
-    if len(text) > MAX_VALUE_LENGTH:
-        raise RejectedError(
-            f"{{{placeholder.field}}} is {len(text)} characters long; "
-            f"the limit is {MAX_VALUE_LENGTH}"
-        )
-    char = _bad_character(text, _FORBIDDEN)
-    if char is not None:
-        raise RejectedError(
-            f"{{{placeholder.field}}} contains {char!r}, which a resource name "
-            "cannot hold"
-        )
-    return text
+                f"placeholder {{{placeholder.field}}} "
+                f"{'cannot be read: ' if isinstance(exc, AttributeError) else ''}"
+                f"{exc}"
+            ) from exc
+    return _checked(placeholder, value)
 
 
 def check_name(resource: str) -> str:
@@ -240,5 +300,29 @@ def render(
         template.placeholders, template.literals[1:], strict=True
     ):
         pieces.append(_value(placeholder, request, kwargs, template, view_name))
+        pieces.append(literal)
+    return check_name("".join(pieces))
+
+
+def render_arguments(template: Template, arguments: Mapping[str, Any]) -> str:
+    """Return the resource a function ``template`` names for one call.
+
+    ``arguments`` are the call's bound arguments, defaults applied. Raise
+    ``RejectedError`` naming the placeholder for a value that cannot be read or
+    cannot be part of a resource name.
+    """
+    pieces = [template.literals[0]]
+    for placeholder, literal in zip(
+        template.placeholders, template.literals[1:], strict=True
+    ):
+        try:
+            value = _read(placeholder, arguments[placeholder.kwarg or ""])
+        except AttributeError as exc:
+            raise RejectedError(
+                f"{{{placeholder.field}}} cannot be read: {exc}"
+            ) from exc
+        except TypeError as exc:
+            raise RejectedError(f"{{{placeholder.field}}} {exc}") from exc
+        pieces.append(_checked(placeholder, value))
         pieces.append(literal)
     return check_name("".join(pieces))

@@ -30,8 +30,10 @@ PUBLIC_API = {
     "StaleFencingTokenError",
     "__version__",
     "afenced_update",
+    "current_lock",
     "distributed_lock",
     "fenced_update",
+    "locked",
     "model_lock",
     "model_resource",
 }
