@@ -189,6 +189,11 @@ def soft_limited(name: str) -> str:
     return sleep_inside(name, 30)
 
 
+@app.task(base=RedlockTask, lock="hard:{name}", lock_ttl=10.0, time_limit=1.0)
+def hard_limited(name: str) -> str:
+    return sleep_inside(name, 30)
+
+
 @app.task(base=RedlockTask, lock="late:{name}", lock_timeout=60, acks_late=True)
 def late_locked(name: str, seconds: float) -> str:
     return sleep_inside(name, seconds)

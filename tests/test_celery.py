@@ -365,6 +365,29 @@ def test_soft_time_limit_releases_at_once(
     assert "SoftTimeLimitExceeded" in (result.traceback or "")
 
 
+def test_hard_time_limit_releases_at_once(
+    app: Celery, nodes: NodeSet, counts: redis.Redis
+) -> None:
+    """The pool kills the child after 1 s; the 10 s lease goes with it.
+
+    The pool sends SIGTERM (SIGKILL if that fails): the body's own release or the
+    main process's, whichever comes first.
+    """
+    name = unique("hard")
+    resource = f"hard:{name}"
+    result = tasks.hard_limited.apply_async((name,), queue="race")
+    wait_for(lambda: runs(counts, name), 15, "the task to start")
+    started = time.monotonic()
+    assert held_on(nodes, resource) >= QUORUM
+    freed_after(nodes, resource, 5.0)
+    elapsed = time.monotonic() - started
+    print(f"hard time limit 1 s: lock free {elapsed:.3f}s after the start (TTL 10 s)")
+    assert elapsed < 3.0
+    result.get(timeout=10, propagate=False)
+    assert result.state == "FAILURE"
+    assert "TimeLimitExceeded" in type(result.result).__name__
+
+
 def test_killed_worker_frees_the_lock_within_ttl(
     broker: RedisNode,
     redis_nodes: NodeSet,

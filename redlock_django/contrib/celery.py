@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -290,11 +291,21 @@ def _safely(
     args: Sequence[Any] | None,
     kwargs: Mapping[str, Any] | None,
 ) -> None:
-    # A signal receiver must not break the worker: the lease expires anyway.
-    try:
-        release_dead_holder(task, task_id, args, kwargs)
-    except Exception:
-        logger.exception("redlock: could not release the lock of task %s", task_id)
+    """Release in a thread of its own: the receiver must not block the worker.
+
+    Celery reports a hard time limit before the pool kills the child, from the
+    code that kills it next: waiting here for the child to be gone would wait
+    for ourselves.
+    """
+
+    def release() -> None:
+        # The lease expires anyway: a failure here is logged, never raised.
+        try:
+            release_dead_holder(task, task_id, args, kwargs)
+        except Exception:
+            logger.exception("redlock: could not release the lock of task %s", task_id)
+
+    threading.Thread(target=release, name="redlock-release", daemon=True).start()
 
 
 task_revoked.connect(_on_revoked, weak=False, dispatch_uid="redlock_django.revoked")
