@@ -24,6 +24,7 @@ as text in ``.failed`` (node display name -> reason), never with credentials.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
     "LockContentionError",
@@ -36,7 +37,25 @@ __all__ = [
 ]
 
 
-class LockError(Exception):
+def _rebuild(cls: type[Exception], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """Recreate a pickled error without calling its keyword-only ``__init__``."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class _Picklable:
+    """Pickle with the context fields: the default would call ``cls(message)``,
+    which fails for keyword-only fields (multiprocessing, Celery results)."""
+
+    args: tuple[Any, ...]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+class LockError(_Picklable, Exception):
     """Base class of every error about a Redlock lock."""
 
     def __init__(
@@ -77,7 +96,7 @@ class LockLostError(LockError):
     """The lease ran out, or could not be extended, while the lock was held."""
 
 
-class MissingFencingTokenError(ValueError):
+class MissingFencingTokenError(_Picklable, ValueError):
     """A fenced write was given a lock that has no fencing token for this owner.
 
     A ``ValueError`` (a bad argument, a bug to fix), deliberately not a

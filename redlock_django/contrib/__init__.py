@@ -1,1 +1,1 @@
-"""Integrations with other frameworks, each an optional import of its own."""
+"""Integrations with other frameworks, each an optional extra: ``redlock-django[x]``."""

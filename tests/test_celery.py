@@ -1,0 +1,629 @@
+"""``RedlockTask`` with real Celery workers, a real broker and the five lock nodes.
+
+The workers are ``celery -A tests._celery_app worker --pool=prefork`` processes,
+started the way a user starts them, against a ``redis-server`` broker this module
+starts. Every task counts its runs on that broker's server (``tests/_celery_app.py``),
+so a test reads what happened from outside the workers. Lock state is read from
+the nodes themselves (``harness.held``), never from the lock's own view.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from django.core.exceptions import ImproperlyConfigured
+
+from harness.held import held_on
+from harness.nodes import NodeSet, RedisNode
+from harness.processes import REPO, Children, log_tail
+from redlock_django import LockContentionError, Redlock
+from redlock_django.contrib.celery import RedlockTask, task_label
+from redlock_django.functions import MAX_LABEL_LENGTH, current_lock
+from redlock_django.listing import describe
+from tests import _celery_app as tasks
+
+pytestmark = pytest.mark.timeout(90)
+
+WORKER_START_TIMEOUT = 30.0
+#: The quorum of the five test nodes.
+QUORUM = 3
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+class Worker:
+    """One ``celery worker`` process (and its pool children), with its log."""
+
+    def __init__(self, process: subprocess.Popen[bytes], name: str, log: Path):
+        self.process = process
+        self.name = name
+        self.log = log
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + WORKER_START_TIMEOUT
+        while " ready." not in self.text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"worker {self.name} did not start:\n{log_tail(self.log, 40)}"
+                )
+            time.sleep(0.05)
+
+
+def start_workers(
+    children: Children,
+    directory: Path,
+    broker: RedisNode,
+    lock_nodes: NodeSet,
+    names: list[str],
+    *,
+    queue: str,
+    concurrency: int = 2,
+    extra_env: dict[str, str] | None = None,
+) -> list[Worker]:
+    """Start one worker per name on ``queue``; return them once all are ready."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "REDLOCK_TEST_NODES": ",".join(lock_nodes.urls),
+        "CELERY_TEST_BROKER": broker.url,
+        "CELERY_TEST_BACKEND": f"redis://127.0.0.1:{broker.port}/1",
+        "CELERY_TEST_COUNTER": f"redis://127.0.0.1:{broker.port}/2",
+        **(extra_env or {}),
+    }
+    # The workers configure Django themselves, as tests/_workers.py does.
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    workers = []
+    for name in names:
+        log = directory / f"{name}.log"
+        command = [
+            sys.executable, "-m", "celery", "-A", "tests._celery_app", "worker",
+            "--pool=prefork", f"--concurrency={concurrency}", "-n", f"{name}@%h",
+            "-Q", queue, "--loglevel=INFO",
+            "--without-heartbeat", "--without-gossip", "--without-mingle",
+        ]  # fmt: skip
+        process = children.start(name, command, env, log)
+        workers.append(Worker(process, name, log))
+    for worker in workers:
+        worker.wait_ready()
+    return workers
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisNode]:
+    """A redis-server of this module's own: the broker, results and counters."""
+    node = RedisNode(tmp_path_factory.mktemp("broker"))
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(
+    broker: RedisNode,
+    redis_nodes: NodeSet,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[list[Worker]]:
+    """Two prefork workers of two processes each, on the ``race`` queue."""
+    children = Children()
+    try:
+        yield start_workers(
+            children,
+            tmp_path_factory.mktemp("workers"),
+            broker,
+            redis_nodes,
+            ["w1", "w2"],
+            queue="race",
+        )
+    finally:
+        children.stop_all()
+
+
+def point_app_at(broker: RedisNode) -> None:
+    """Point the test app (in this process) at ``broker``, for sending and results.
+
+    Always the module's broker: the app caches its connections and backend.
+    """
+    tasks.app.conf.update(
+        broker_url=broker.url,
+        result_backend=f"redis://127.0.0.1:{broker.port}/1",
+    )
+    tasks.use_counter(f"redis://127.0.0.1:{broker.port}/2")
+
+
+@pytest.fixture
+def app(
+    broker: RedisNode, workers: list[Worker], redlock_settings: dict[str, Any]
+) -> Celery:
+    """The test app, sending to the running workers; REDLOCK pointed at the nodes."""
+    point_app_at(broker)
+    return tasks.app
+
+
+@pytest.fixture
+def counts(broker: RedisNode) -> Iterator[redis.Redis]:
+    client = broker.client(db=2)
+    yield client
+    client.close()
+
+
+def runs(client: redis.Redis, name: str) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in client.lrange(f"{name}:runs", 0, -1)]
+
+
+def wait_for(
+    condition: Callable[[], Any], timeout: float, what: str, poll: float = 0.02
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(poll)
+
+
+def freed_after(nodes: NodeSet, resource: str, timeout: float) -> float:
+    """Return how many seconds pass until no node holds ``resource``'s lock."""
+    start = time.monotonic()
+    wait_for(lambda: held_on(nodes, resource) == 0, timeout, f"{resource} freed")
+    return time.monotonic() - start
+
+
+# Two workers racing one task key.
+
+
+def test_two_workers_never_run_the_locked_task_at_once(
+    app: Celery, workers: list[Worker], nodes: NodeSet, counts: redis.Redis
+) -> None:
+    """Eight increments (GET, pause, SET) on four processes lose nothing."""
+    name = unique("race")
+    results = [
+        tasks.locked_increment.apply_async((name, 0.05), queue="race") for _ in range(8)
+    ]
+    for result in results:
+        result.get(timeout=60)
+    assert int(counts.get(f"{name}:counter") or 0) == 8
+    assert int(counts.get(f"{name}:overlaps") or 0) == 0
+    # Both workers really took part: the lock, not the queue, kept them apart.
+    parents = {entry["ppid"] for entry in runs(counts, name)}
+    assert parents == {worker.pid for worker in workers}
+    assert held_on(nodes, f"counter:{name}") == 0
+
+
+def test_negative_control_without_the_lock_loses_updates(
+    app: Celery, workers: list[Worker], counts: redis.Redis
+) -> None:
+    """The same eight increments without the lock overlap and lose updates."""
+    name = unique("unsafe")
+    results = [
+        tasks.unlocked_increment.apply_async((name, 0.2), queue="race")
+        for _ in range(8)
+    ]
+    for result in results:
+        result.get(timeout=60)
+    counter = int(counts.get(f"{name}:counter") or 0)
+    overlaps = int(counts.get(f"{name}:overlaps") or 0)
+    print(f"negative control: counter {counter}/8, overlaps {overlaps}")
+    assert overlaps > 0
+    assert counter < 8
+
+
+# The contention policies, with the lock held by this test process.
+
+
+def test_skip_returns_none_without_running(
+    app: Celery, counts: redis.Redis, hold: Callable[..., Redlock]
+) -> None:
+    name = unique("skip")
+    hold(f"held:{name}", ttl=30)
+    result = tasks.skip_when_held.apply_async((name,), queue="race")
+    assert result.get(timeout=30) is None
+    assert result.state == "SUCCESS"
+    assert runs(counts, name) == []
+
+
+def test_raise_fails_the_task_at_once(
+    app: Celery, counts: redis.Redis, hold: Callable[..., Redlock]
+) -> None:
+    name = unique("raise")
+    hold(f"held:{name}", ttl=30)
+    started = time.monotonic()
+    result = tasks.raise_when_held.apply_async((name,), queue="race")
+    result.get(timeout=30, propagate=False)
+    assert result.state == "FAILURE"
+    assert "LockContentionError" in (result.traceback or "")
+    assert time.monotonic() - started < 5  # not the 30 s wait of "wait"
+    assert runs(counts, name) == []
+
+
+def test_retry_retries_until_the_lock_is_free(
+    app: Celery, nodes: NodeSet, counts: redis.Redis, hold: Callable[..., Redlock]
+) -> None:
+    name = unique("retry")
+    lock = hold(f"held:{name}", ttl=30)
+    result = tasks.retry_when_held.apply_async((name,), queue="race")
+    wait_for(lambda: result.state == "RETRY", 15, "the RETRY state")
+    time.sleep(0.5)  # a retry or two more while held
+    assert runs(counts, name) == []
+    lock.release()
+    outcome = result.get(timeout=30)
+    assert outcome["retries"] >= 1
+    assert len(runs(counts, name)) == 1
+    assert held_on(nodes, f"held:{name}") == 0
+
+
+# The body's process dies: killed, revoked, out of time.
+
+
+def test_killed_child_frees_the_lock_within_ttl(
+    app: Celery, nodes: NodeSet, counts: redis.Redis
+) -> None:
+    """SIGKILL of the pool child inside the task: the lock is free within TTL + 1 s."""
+    name = unique("kill")
+    resource = f"short:{name}"
+    result = tasks.short_lease.apply_async((name, 30), queue="race")
+    entry = wait_for(lambda: runs(counts, name), 15, "the task to start")[0]
+    assert held_on(nodes, resource) >= QUORUM
+    time.sleep(2.5)  # past the 2 s TTL: the watchdog was extending it
+    assert held_on(nodes, resource) >= QUORUM
+    os.kill(entry["pid"], signal.SIGKILL)
+    elapsed = freed_after(nodes, resource, 2.0 + 1.0)
+    print(f"killed child: lock free after {elapsed:.3f}s (TTL 2 s)")
+    result.get(timeout=15, propagate=False)
+    assert result.state == "FAILURE"
+    assert "WorkerLostError" in type(result.result).__name__
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+def test_revoke_terminate_releases_at_once(
+    app: Celery, nodes: NodeSet, counts: redis.Redis, signum: str
+) -> None:
+    """revoke(terminate=True) frees the lock well inside its 10 s lease.
+
+    SIGTERM ends the body with an exception (its own release runs); SIGKILL
+    leaves no chance to the body: the worker's main process releases.
+    """
+    name = unique("revoke")
+    resource = f"slow:{name}"
+    result = tasks.slow.apply_async((name, 30), queue="race")
+    wait_for(lambda: runs(counts, name), 15, "the task to start")
+    listed = describe([resource])
+    assert [held.label for held in listed] == [
+        task_label("tests._celery_app.slow", result.id)
+    ]
+    result.revoke(terminate=True, signal=signum)
+    elapsed = freed_after(nodes, resource, 5.0)
+    print(f"revoke(terminate=True, {signum}): lock free after {elapsed:.3f}s (TTL 10)")
+    assert elapsed < 3.0
+    wait_for(lambda: result.state == "REVOKED", 10, "the REVOKED state")
+    if signum == "SIGKILL":
+        assert counts.lrange(f"{name}:ended", 0, -1) == []  # no clean-up ran
+
+
+def test_revoke_with_an_ignored_signal_leaves_the_running_body_its_lock(
+    app: Celery, nodes: NodeSet, counts: redis.Redis
+) -> None:
+    """A revoke whose signal the child ignores (SIGINT) must not free a live holder.
+
+    The main process sees the lock's process still alive and leaves it; the body
+    releases it itself when it ends.
+    """
+    name = unique("alive")
+    resource = f"slow:{name}"
+    result = tasks.slow.apply_async((name, 4), queue="race")
+    wait_for(lambda: runs(counts, name), 15, "the task to start")
+    result.revoke(terminate=True, signal="SIGINT")
+    time.sleep(2.5)  # longer than the main process waits for the child
+    assert counts.lrange(f"{name}:ended", 0, -1) == []
+    assert held_on(nodes, resource) >= QUORUM
+    wait_for(lambda: counts.lrange(f"{name}:ended", 0, -1), 10, "the body's end")
+    freed_after(nodes, resource, 1.0)
+
+
+def test_soft_time_limit_releases_at_once(
+    app: Celery, nodes: NodeSet, counts: redis.Redis
+) -> None:
+    """SoftTimeLimitExceeded ends the body after 1 s: the 10 s lease goes with it."""
+    name = unique("soft")
+    resource = f"soft:{name}"
+    result = tasks.soft_limited.apply_async((name,), queue="race")
+    wait_for(lambda: runs(counts, name), 15, "the task to start")
+    started = time.monotonic()
+    assert held_on(nodes, resource) >= QUORUM
+    freed_after(nodes, resource, 5.0)
+    elapsed = time.monotonic() - started
+    print(f"soft time limit 1 s: lock free {elapsed:.3f}s after the start (TTL 10 s)")
+    assert elapsed < 3.0
+    result.get(timeout=10, propagate=False)
+    assert result.state == "FAILURE"
+    assert "SoftTimeLimitExceeded" in (result.traceback or "")
+
+
+def test_hard_time_limit_releases_at_once(
+    app: Celery, nodes: NodeSet, counts: redis.Redis
+) -> None:
+    """The pool kills the child after 1 s; the 10 s lease goes with it.
+
+    The pool sends SIGTERM (SIGKILL if that fails): the body's own release or the
+    main process's, whichever comes first.
+    """
+    name = unique("hard")
+    resource = f"hard:{name}"
+    result = tasks.hard_limited.apply_async((name,), queue="race")
+    wait_for(lambda: runs(counts, name), 15, "the task to start")
+    started = time.monotonic()
+    assert held_on(nodes, resource) >= QUORUM
+    freed_after(nodes, resource, 5.0)
+    elapsed = time.monotonic() - started
+    print(f"hard time limit 1 s: lock free {elapsed:.3f}s after the start (TTL 10 s)")
+    assert elapsed < 3.0
+    result.get(timeout=10, propagate=False)
+    assert result.state == "FAILURE"
+    assert "TimeLimitExceeded" in type(result.result).__name__
+
+
+def test_killed_worker_frees_the_lock_within_ttl(
+    broker: RedisNode,
+    redis_nodes: NodeSet,
+    nodes: NodeSet,
+    redlock_settings: dict[str, Any],
+    counts: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of a whole worker (main process and child): the TTL frees the lock.
+
+    Nobody is left to release it, so it stays held until its lease ends: within
+    TTL + 1 s of the kill, and not at once.
+    """
+    point_app_at(broker)
+    children = Children()
+    try:
+        [worker] = start_workers(
+            children, tmp_path, broker, redis_nodes, ["doomed"], queue="doomed",
+            concurrency=1,
+        )  # fmt: skip
+        name = unique("doomed")
+        resource = f"short:{name}"
+        tasks.short_lease.apply_async((name, 30), queue="doomed")
+        wait_for(lambda: runs(counts, name), 15, "the task to start")
+        assert held_on(nodes, resource) >= QUORUM
+        os.killpg(worker.pid, signal.SIGKILL)
+        elapsed = freed_after(nodes, resource, 2.0 + 1.0)
+    finally:
+        children.stop_all()
+    print(f"killed worker: lock free after {elapsed:.3f}s (TTL 2 s)")
+    assert elapsed > 0.2
+
+
+# acks_late: a message delivered again while its first delivery still runs.
+
+
+@pytest.fixture
+def late_workers(
+    broker: RedisNode, redis_nodes: NodeSet, tmp_path: Path
+) -> Iterator[list[Worker]]:
+    """Two one-process workers on the ``late`` queue whose broker transport
+    delivers an unacknowledged message again after one second (visibility)."""
+    point_app_at(broker)
+    children = Children()
+    try:
+        yield start_workers(
+            children, tmp_path, broker, redis_nodes, ["late1", "late2"],
+            queue="late", concurrency=1, extra_env={"CELERY_TEST_VISIBILITY": "1"},
+        )  # fmt: skip
+    finally:
+        children.stop_all()
+        # The copies still bouncing between the two workers.
+        with broker.client() as client:
+            client.delete("late", "unacked", "unacked_index")
+
+
+def deliveries(workers: list[Worker], task_id: str) -> int:
+    """Return how many times the workers' logs say they received ``task_id``."""
+    return sum(worker.text().count(f"[{task_id}] received") for worker in workers)
+
+
+@pytest.mark.parametrize("locked", [True, False], ids=["locked", "unlocked"])
+def test_acks_late_redelivery_never_runs_beside_the_first_delivery(
+    late_workers: list[Worker],
+    nodes: NodeSet,
+    redlock_settings: dict[str, Any],
+    counts: redis.Redis,
+    locked: bool,
+) -> None:
+    """The redelivered copy runs only once the first run has ended; without the
+    lock it starts while the first one still runs."""
+    name = unique("late")
+    task = tasks.late_locked if locked else tasks.late_unlocked
+    result = task.apply_async((name, 2.0), queue="late")
+    wait_for(lambda: len(runs(counts, name)) >= 2, 20, "the copy to start")
+    overlaps = int(counts.get(f"{name}:overlaps") or 0)
+    print(
+        f"acks_late {'locked' if locked else 'unlocked'}: "
+        f"{deliveries(late_workers, result.id)} deliveries, "
+        f"{len(runs(counts, name))} runs started, {overlaps} overlaps"
+    )
+    assert deliveries(late_workers, result.id) >= 2
+    if locked:
+        assert overlaps == 0
+        assert len(counts.lrange(f"{name}:ended", 0, -1)) >= 1
+    else:
+        assert overlaps >= 1
+
+
+# Eager mode: the task runs in this process, under the same lock.
+
+
+@pytest.fixture
+def eager(broker: RedisNode, redlock_settings: dict[str, Any]) -> Iterator[Celery]:
+    point_app_at(broker)
+    tasks.app.conf.task_always_eager = True
+    try:
+        yield tasks.app
+    finally:
+        tasks.app.conf.task_always_eager = False
+
+
+def test_eager_runs_under_the_lock_in_process(
+    eager: Celery, nodes: NodeSet, counts: redis.Redis
+) -> None:
+    name = unique("eager")
+    assert tasks.locked_increment.delay(name, 0).get() == 1
+    assert tasks.locked_increment.apply((name, 0)).get() == 2
+    assert held_on(nodes, f"counter:{name}") == 0
+    [entry, _] = runs(counts, name)
+    assert entry["pid"] == os.getpid()
+
+
+@contextlib.contextmanager
+def held_by_another_thread(resource: str) -> Iterator[None]:
+    """Hold ``resource`` from another thread (owner) for the ``with`` block.
+
+    An eager task runs in this thread, which would re-enter a lock it held.
+    """
+    lock = Redlock(resource, ttl=30)
+    acquired, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            acquired.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert acquired.wait(10)
+        yield
+    finally:
+        done.set()
+        thread.join(10)
+
+
+def test_eager_policies(eager: Celery, counts: redis.Redis) -> None:
+    name = unique("eager-held")
+    with held_by_another_thread(f"held:{name}"):
+        assert tasks.skip_when_held.delay(name).get() is None
+        with pytest.raises(LockContentionError):
+            tasks.raise_when_held.delay(name).get()
+    assert runs(counts, name) == []
+
+
+def test_eager_holds_the_lock_while_the_body_runs(
+    eager: Celery, nodes: NodeSet
+) -> None:
+    """The body sees its own lock on the nodes, labelled with its task id."""
+    seen: list[list[str]] = []
+
+    @eager.task(base=RedlockTask, lock="probe:{key}", shared=False)
+    def probe(key: str) -> str | None:
+        seen.append([held.label for held in describe([f"probe:{key}"])])
+        lock = current_lock()
+        return None if lock is None else lock.resource
+
+    result = probe.apply(("k1",))
+    assert result.get() == "probe:k1"  # current_lock() inside the body
+    assert seen == [[task_label(probe.name, result.id)]]
+    assert held_on(nodes, "probe:k1") == 0
+
+
+def test_a_long_task_name_is_cut_in_the_label_but_never_the_id() -> None:
+    label = task_label("x" * 500, "0f1e2d3c-aaaa-bbbb-cccc-1234567890ab")
+    assert len(label) == MAX_LABEL_LENGTH
+    assert label.endswith(" [0f1e2d3c-aaaa-bbbb-cccc-1234567890ab]")
+
+
+# Bad input: clear errors, nothing sent to the nodes.
+
+
+def fresh_app() -> Celery:
+    app = Celery("bad_input", set_as_current=False)
+    app.finalize()  # tasks are created when decorated, not on first use
+    return app
+
+
+def test_invalid_policy_fails_when_the_task_is_created() -> None:
+    with pytest.raises(ImproperlyConfigured, match="lock_on_contention must be one of"):
+
+        @fresh_app().task(
+            base=RedlockTask, lock="x:{a}", lock_on_contention="hope", shared=False
+        )
+        def task(a: int) -> None: ...
+
+
+def test_invalid_retry_countdown_fails_when_the_task_is_created() -> None:
+    with pytest.raises(ImproperlyConfigured, match="lock_retry_countdown must be >= 0"):
+
+        @fresh_app().task(
+            base=RedlockTask, lock="x:{a}", lock_retry_countdown=-1, shared=False
+        )
+        def task(a: int) -> None: ...
+
+
+def test_unknown_template_field_fails_when_the_task_is_created() -> None:
+    with pytest.raises(ImproperlyConfigured, match="user_id"):
+
+        @fresh_app().task(base=RedlockTask, lock="report:{user_id}", shared=False)
+        def task(account: int) -> None: ...
+
+
+def test_bind_self_is_not_a_template_field(nodes: NodeSet, eager: Celery) -> None:
+    """A bound task's template names its arguments, not ``self``."""
+
+    @eager.task(bind=True, base=RedlockTask, lock="bound:{key}", shared=False)
+    def bound(self: RedlockTask, key: str) -> str:
+        return str(self.request.id)
+
+    result = bound.apply(("k",))
+    assert result.get() == result.id
+
+
+def test_bad_value_at_call_time_raises_before_any_lock(
+    eager: Celery, nodes: NodeSet, counts: redis.Redis
+) -> None:
+    """A resource value that cannot name a lock fails the task; no node is touched."""
+    with pytest.raises(ValueError):
+        tasks.skip_when_held.apply(("a:b",)).get()
+    for node in nodes:
+        with node.client() as client:
+            assert client.dbsize() == 0
+    assert runs(counts, "a:b") == []
+
+
+def test_importing_without_celery_says_how_to_install_it() -> None:
+    code = (
+        "import sys; sys.modules['celery'] = None\n"
+        "import redlock_django.contrib.celery\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 1
+    assert "ImportError: redlock_django.contrib.celery needs Celery" in done.stderr
+    assert "pip install 'redlock-django[celery]'" in done.stderr
