@@ -110,6 +110,17 @@ def test_a_connection_without_redis_py_internals_takes_the_portable_path(
     assert "has no _sock" in path.why or wire.FORCED  # make test-portable forces it
 
 
+def test_redis_py_connections_take_the_path_this_run_asks_for(
+    redlock_settings: dict[str, Any],
+) -> None:
+    """redis-py's own Connection: fast, or portable under ``make test-portable``
+    (so that run really is on the portable path)."""
+    with Redlock("plain"):
+        pass
+    expected = "portable" if wire.FORCED else "fast"
+    assert wire.PATHS[redis.Connection].name == expected, wire.PATHS[redis.Connection]
+
+
 def test_portable_path_leaves_a_frozen_node_behind_and_drops_its_late_reply(
     settings: Any, nodes: NodeSet, redlock_settings: dict[str, Any]
 ) -> None:
