@@ -62,6 +62,7 @@ from .wire import PORTABLE, SLICE, path_of, wait_one
 from .wire import arrived as _arrived
 from .wire import pack as _pack
 from .wire import read as _read
+from .wire import read_response as _read_response
 from .wire import send as _send
 
 __all__ = ["fanout", "run"]
@@ -156,7 +157,7 @@ def _settle(idle: _Idle) -> None:
                 conn.disconnect()
             continue
         try:
-            conn.read_response(timeout=_MIN_WAIT)
+            _read_response(conn, _MIN_WAIT)
         except redis.ResponseError:
             pass  # an error reply (NOSCRIPT, ...) is the owed reply too
         except Exception:
@@ -378,7 +379,7 @@ class _Round:
         replies = self.replies
         try:
             value = (
-                conn.read_response(timeout=_MIN_WAIT)
+                _read_response(conn, _MIN_WAIT)
                 if final
                 else _read(conn, max(left, _MIN_WAIT), call.direct)
             )

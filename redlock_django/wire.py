@@ -9,7 +9,8 @@ this is redis-py's public API, and a release may move it, as may a connection cl
 of one's own. So each connection class is probed once, at its first connection
 (``path_of``), and a class whose internals are missing or answer otherwise takes
 the portable path: redis-py's public connection API only (``pack_command``,
-``send_packed_command``, ``can_read(timeout)``, ``read_response(timeout=...)``).
+``send_packed_command``, ``can_read(timeout)``, ``read_response()``; its
+``timeout=`` where the class declares it: redis-py 8 does, 5.0 and 6.4 do not).
 
 The portable path keeps the driver's rules (every node written before any reply
 is read, one NODE_TIMEOUT deadline, late replies read and thrown away before a
@@ -25,6 +26,7 @@ connection class took and why; the choice is also logged once per class at DEBUG
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from typing import Any, NamedTuple
@@ -54,6 +56,7 @@ __all__ = [
     "pack",
     "path_of",
     "read",
+    "read_response",
     "send",
     "wait_one",
 ]
@@ -215,13 +218,13 @@ def read(conn: Any, timeout: float, direct: bool) -> Any:
     ``read_response()``.
     """
     if not direct:
-        return conn.read_response(timeout=timeout)
+        return read_response(conn, timeout)
     parser = conn._parser
     if type(parser) is not _HiredisParser:
-        return conn.read_response(timeout=timeout)
+        return read_response(conn, timeout)
     reader, sock = parser._reader, parser._sock
     if reader is None or sock is None:
-        return conn.read_response(timeout=timeout)
+        return read_response(conn, timeout)
     reply = reader.gets()
     while reply is _NOT_ENOUGH_DATA:
         # The socket is readable: one read(2) on its (non-blocking) descriptor,
@@ -245,6 +248,33 @@ def read(conn: Any, timeout: float, direct: bool) -> Any:
     if isinstance(reply, redis.ConnectionError | redis.ResponseError):
         raise reply
     return reply
+
+
+#: Whether each connection class's ``read_response`` declares ``timeout=``.
+_TAKES_TIMEOUT: dict[type, bool] = {}
+
+
+def read_response(conn: Any, timeout: float) -> Any:
+    """Read one reply on ``conn``, waiting at most ``timeout`` for it to start.
+
+    ``read_response(timeout=...)`` where the connection class declares it. Where it
+    does not (redis-py 5.0 and 6.4; a class forwarding ``**kwargs``), ``can_read``
+    waits and a reply that has started is read with the socket's own timeout
+    (NODE_TIMEOUT on the lock's pools).
+    """
+    klass = type(conn)
+    takes = _TAKES_TIMEOUT.get(klass)
+    if takes is None:
+        try:
+            takes = "timeout" in inspect.signature(klass.read_response).parameters
+        except (TypeError, ValueError):
+            takes = False
+        _TAKES_TIMEOUT[klass] = takes
+    if takes:
+        return conn.read_response(timeout=timeout)
+    if not conn.can_read(timeout):
+        raise redis.TimeoutError("Timeout reading from socket")
+    return conn.read_response()
 
 
 def wait_one(conn: Any, timeout: float) -> bool:

@@ -42,7 +42,9 @@ class ForwardingConnection(redis.Connection):
     """A connection with no ``_sock`` or ``_parser``: it forwards the public API.
 
     Its socket and parser belong to a plain ``redis.Connection`` it owns, out of
-    the driver's reach, as they would be in a redis-py whose internals moved.
+    the driver's reach, as they would be in a redis-py whose internals moved. Its
+    ``read_response`` declares no ``timeout=`` (as in redis-py 5.0 and 6.4), so
+    the driver waits with ``can_read`` before reading.
     """
 
     def __init__(self, **kwargs: Any) -> None:  # no super(): no internals here
