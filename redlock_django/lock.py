@@ -197,10 +197,11 @@ class Redlock:
         """
         waited = _clock() - since
         if isinstance(exc, LockContentionError):
-            self._send(signals.lock_contended, waited=waited)
+            self._send(signals.lock_contended, waited=waited, error=exc)
             if not raise_all:
                 return False
-        self._send(signals.lock_unavailable, waited=waited, error=exc)
+        else:
+            self._send(signals.lock_unavailable, waited=waited, error=exc)
         raise exc
 
     def _owned(self, owner: object, verb: str) -> Hold:

@@ -5,7 +5,8 @@ Each sends ``lock`` (the ``Redlock``) and ``resource``, plus:
 - ``lock_acquired``: ``waited`` (seconds spent acquiring), ``fencing_token``,
   ``attempts`` (tries on the nodes) and ``wakeups`` (waits between tries that a
   release announcement cut short, see ``wake.py``).
-- ``lock_contended``: ``waited``; the wait ran out while others held it.
+- ``lock_contended``: ``waited``, ``error`` (the ``LockContentionError``); the
+  wait ran out while others held it.
 - ``lock_unavailable``: ``waited``, ``error``; too few nodes answered.
 - ``lock_extended``: ``validity`` (seconds the new lease guarantees); sent for
   ``extend()`` and for every watchdog extension (from the watchdog's thread or task).
