@@ -86,8 +86,13 @@ def _guarded(receiver: Callable[..., None]) -> Callable[..., None]:
     return guarded
 
 
-def install() -> bool:
-    """Connect the span receivers to the signals; False without opentelemetry-api."""
+def install(tracer_provider: Any = None) -> bool:
+    """Connect the span receivers to the signals; False without opentelemetry-api.
+
+    Spans go to ``tracer_provider``, by default the global one (as set by the
+    SDK's ``trace.set_tracer_provider()``, before or after this call). Already
+    installed, nothing changes: ``uninstall()`` first to switch providers.
+    """
     if _receivers:
         return True
     try:
@@ -97,8 +102,10 @@ def install() -> bool:
         return False
     from . import __version__
 
-    # A proxy until an SDK's provider is set, then that provider's tracer.
-    tracer = trace.get_tracer("redlock_django", __version__)
+    # The global provider's is a proxy until an SDK's provider is set.
+    tracer = trace.get_tracer(
+        "redlock_django", __version__, tracer_provider=tracer_provider
+    )
     error = Status(StatusCode.ERROR)
 
     def span(name: str, seconds: float, resource: str) -> Any:

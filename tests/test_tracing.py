@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import subprocess
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
@@ -310,6 +311,63 @@ def test_uninstalled_receivers_make_no_spans(
         "redlock.acquire",
         "redlock.release",
         "redlock.acquire",
+    ]
+
+
+@pytest.fixture
+def installed_with() -> Iterator[Callable[[TracerProvider], None]]:
+    """Return ``use(provider)``: the receivers send to ``provider`` for the test."""
+
+    def use(provider: TracerProvider) -> None:
+        tracing.uninstall()
+        assert tracing.install(tracer_provider=provider)
+
+    yield use
+    tracing.uninstall()
+    assert tracing.install()
+
+
+def test_spans_go_to_the_tracer_provider_given_to_install(
+    spans: Callable[[], list[ReadableSpan]],
+    installed_with: Callable[[TracerProvider], None],
+) -> None:
+    """A provider of its own (not the global one) gets the spans, the global none."""
+    own = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(own))
+    installed_with(provider)
+    with Redlock("own-provider"):
+        pass
+    assert [span.name for span in own.get_finished_spans()] == [
+        "redlock.acquire",
+        "redlock.release",
+    ]
+    assert spans() == []
+
+
+class _Broken(SpanProcessor):
+    """A span processor that fails on every span, as a buggy exporter might."""
+
+    def on_end(self, span: ReadableSpan) -> None:
+        raise RuntimeError("exporter down")
+
+
+def test_a_failing_span_processor_never_fails_the_lock(
+    spans: Callable[[], list[ReadableSpan]],
+    installed_with: Callable[[TracerProvider], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The lock is taken and released as usual; the failure is logged."""
+    provider = TracerProvider()
+    provider.add_span_processor(_Broken())
+    installed_with(provider)
+    lock = Redlock("robust")
+    with caplog.at_level(logging.ERROR, logger="redlock_django.tracing"), lock:
+        assert lock.owned()
+    assert not lock.locked()
+    assert [record.getMessage() for record in caplog.records] == [
+        "redlock tracing: on_acquired failed",
+        "redlock tracing: on_released failed",
     ]
 
 
