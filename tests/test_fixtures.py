@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import redis
 
-from harness import nodes as node_module
 from harness.nodes import NodeSet, RedisNode, RedisNodeError, find_redis_server
 from harness.processes import process_state
+from redlock_django.testing import servers as node_module
 
 
 def test_five_nodes_listen_on_distinct_ports_and_answer_ping(nodes: NodeSet) -> None:
