@@ -53,35 +53,16 @@ def buy(request, product_id):
     return JsonResponse({"bought": product_id})
 """
 
-# The user's tests: what the README shows. ``HOLD`` is the line the negative control
-# takes out.
-USER_TESTS = """
-import os
-
+# The user's tests, word for word the README's example.
+README_EXAMPLE = """
 import pytest
 
 from redlock_django import QuorumUnavailableError, Redlock
 
-HOLD = os.environ.get("HOLD_THE_LOCK", "1") == "1"
-
-
-def test_the_nodes_are_real_servers(redlock_nodes):
-    assert len(redlock_nodes) == int(os.environ.get("EXPECT_NODES", "3"))
-    info = redlock_nodes[0].client().info("server")
-    kind = "valkey" if "valkey_version" in info else "redis"
-    assert kind == os.environ.get("EXPECT_SERVER", "redis")
-    assert info["process_id"] == redlock_nodes[0].pid
-
 
 def test_buying_a_product_someone_holds_answers_423(client, redlock_settings):
-    lock = Redlock("product:42")
-    if HOLD:
-        lock.acquire()
-    try:
+    with Redlock("product:42"):  # held by the test, as another server would
         response = client.post("/buy/42/")
-    finally:
-        if HOLD:
-            lock.release()
     assert response.status_code == 423
     assert "Retry-After" in response.headers
     assert client.post("/buy/42/").status_code == 200
@@ -100,6 +81,24 @@ def test_two_nodes_of_three_down_leave_no_quorum(redlock_settings, redlock_nodes
     redlock_nodes[1].pause()
     with pytest.raises(QuorumUnavailableError):
         Redlock("report:daily").acquire(timeout=0.3)
+"""
+
+# The line the negative control takes out: the test no longer holds the lock.
+HOLDING = 'with Redlock("product:42"):  # held by the test, as another server would'
+
+USER_TESTS = (
+    README_EXAMPLE
+    + """
+
+import os
+
+
+def test_the_nodes_are_real_servers(redlock_nodes):
+    assert len(redlock_nodes) == int(os.environ.get("EXPECT_NODES", "3"))
+    info = redlock_nodes[0].client().info("server")
+    kind = "valkey" if "valkey_version" in info else "redis"
+    assert kind == os.environ.get("EXPECT_SERVER", "redis")
+    assert info["process_id"] == redlock_nodes[0].pid
 
 
 def test_each_test_starts_with_every_node_up_and_empty(redlock_nodes):
@@ -107,6 +106,7 @@ def test_each_test_starts_with_every_node_up_and_empty(redlock_nodes):
         assert node.is_running and not node.is_paused
         assert node.client().dbsize() == 0
 """
+)
 
 # A project without pytest-django: Django set up by hand, the plugin falls back to
 # django.test.override_settings.
@@ -152,11 +152,11 @@ def _project(root: Path, tests: dict[str, str], ini: str = "") -> Path:
     return root
 
 
-def _site(tmp_path: Path, conftest: str = "") -> Path:
+def _site(tmp_path: Path, conftest: str = "", tests: str = USER_TESTS) -> Path:
     """The user's project with pytest-django and the locked-view tests."""
-    tests = {"test_buy.py": USER_TESTS, "conftest.py": conftest}
+    files = {"test_buy.py": tests, "conftest.py": conftest}
     ini = "DJANGO_SETTINGS_MODULE = shopsite.settings\n"
-    return _project(tmp_path / "site", tests, ini)
+    return _project(tmp_path / "site", files, ini)
 
 
 def _entry_point_dir(root: Path) -> Path:
@@ -203,6 +203,13 @@ def _report(result: subprocess.CompletedProcess[str]) -> str:
     return f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}"
 
 
+def test_the_readme_shows_the_tested_example() -> None:
+    """The README's example is the user test this file runs, line for line."""
+    readme = (REPO / "README.md").read_text()
+    assert textwrap.dedent(README_EXAMPLE).strip() in readme
+    assert VIEWS.strip() in readme
+
+
 def test_pyproject_declares_the_plugin_under_its_module_name() -> None:
     """``-p redlock_django.testing.plugin`` and the entry point are one plugin."""
     table = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -234,8 +241,10 @@ def test_the_entry_point_and_the_dash_p_option_load_one_plugin(tmp_path: Path) -
 
 def test_without_the_held_lock_the_users_423_test_fails(tmp_path: Path) -> None:
     """Negative control: not holding the lock, the view answers 200, not 423."""
-    project = _site(tmp_path)
-    result = _pytest(project, "-p", PLUGIN, "-k", "423", HOLD_THE_LOCK="0")
+    assert HOLDING in USER_TESTS
+    unheld = USER_TESTS.replace(HOLDING, "with contextlib.nullcontext():")
+    project = _site(tmp_path, tests="import contextlib\n" + unheld)
+    result = _pytest(project, "-p", PLUGIN, "-k", "423")
     assert result.returncode == 1, _report(result)
     assert "assert 200 == 423" in result.stdout, _report(result)
     assert "1 failed" in result.stdout, _report(result)
