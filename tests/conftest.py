@@ -35,8 +35,12 @@ def redis_nodes(redlock_servers: NodeSet) -> NodeSet:
 
 
 @pytest.fixture
-def nodes(redlock_nodes: NodeSet) -> NodeSet:
-    """The five nodes, each running, unpaused and flushed (the plugin's fixture)."""
+def nodes(redis_nodes: NodeSet, redlock_nodes: NodeSet) -> NodeSet:
+    """The five nodes, each running, unpaused and flushed (the plugin's fixture).
+
+    Asks for ``redis_nodes`` too, so teardown code reaching for it (test_faults)
+    finds it active instead of making a new request, which pytest deprecates.
+    """
     return redlock_nodes
 
 
