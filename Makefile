@@ -26,7 +26,7 @@ BASE_PYTHON6 ?= $(shell for p in $(PYTHON6_CANDIDATES) \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1 \
 	&& { command -v $$p; break; }; done)
 
-.PHONY: venv test test-django6 test-valkey matrix matrix-ci lint demo chaos clean
+.PHONY: venv test test-django6 test-valkey test-portable matrix matrix-ci lint demo chaos clean
 
 venv: $(STAMP)
 
@@ -70,6 +70,16 @@ VALKEY_TESTS ?= tests/test_quorum.py tests/test_faults.py tests/test_stalled_nod
 
 test-valkey: $(STAMP)
 	REDLOCK_TEST_SERVER=valkey $(PYTHON) -m pytest $(VALKEY_TESTS) $(PYTEST_ARGS)
+
+# The lock suite again with the sync driver forced onto its portable path (redis-py's
+# public connection API only, the path a redis-py with other internals takes).
+PORTABLE_TESTS ?= tests/test_lock.py tests/test_quorum.py tests/test_faults.py \
+	tests/test_stalled_nodes.py tests/test_busy_client.py tests/test_driver_connections.py \
+	tests/test_validity.py tests/test_extensions.py tests/test_retry_tokens.py \
+	tests/test_mutex.py tests/test_portable_driver.py
+
+test-portable: $(STAMP)
+	REDLOCK_SYNC_DRIVER=portable $(PYTHON) -m pytest $(PORTABLE_TESTS) $(PYTEST_ARGS)
 
 # The supported-version matrix (noxfile.py): the whole suite on every combination of
 # Python 3.11-3.13, Django 5.2 / 6.0 / newest 6.x, redis-py 5.0 (the declared lower

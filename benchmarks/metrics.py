@@ -1,8 +1,25 @@
-"""Measure what the lock signals and Prometheus metrics cost per acquire + release.
+"""Measure what the lock signals, Prometheus metrics and tracing spans cost.
 
-Starts its own redis-server nodes (as the tests do), runs uncontended cycles on
-fresh keys with the metrics receivers connected and disconnected, interleaved, and
-prints the medians and their ratio. Usage: python -m benchmarks.metrics
+Starts its own redis-server nodes (as the tests do) and runs uncontended acquire +
+release cycles on fresh keys, interleaved, one configuration after the other in
+every rep, with these receivers connected:
+
+- ``none``: no receiver at all (neither extra installed);
+- ``metrics``: the Prometheus receivers only. Without ``opentelemetry-api`` this
+  is exactly what runs: ``tracing.install()`` connects nothing;
+- ``metrics (again)``: the same once more, the noise control: its ratio to
+  ``metrics`` would be 1.000 on a quiet machine, and its distance from 1 is how
+  far this run's ratios can be trusted;
+- ``metrics+tracing (api)``: plus the span receivers with the API's no-op
+  provider (``opentelemetry-api`` installed, no SDK configured);
+- ``metrics+tracing (sdk)``: plus spans recorded by an SDK ``TracerProvider``
+  (sampled, no exporter: an exporter adds its own cost).
+
+Short blocks, many reps: other processes' load comes in bursts, so each rep's
+rates are compared with each other (paired) and the median of those ratios to
+``metrics`` is printed, with the median rates. Then the receivers' own CPU
+time: one ``lock_acquired`` and one ``lock_released`` sent, no network (best of
+five). Usage: python -m benchmarks.metrics
 """
 
 from __future__ import annotations
@@ -11,6 +28,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import django
@@ -28,11 +46,62 @@ def cycles_per_second(count: int) -> float:
     return count / (time.monotonic() - started)
 
 
+def receivers_us(count: int = 20000) -> float:
+    """Microseconds to send one acquired and one released signal (no network)."""
+    from redlock_django import Redlock, signals
+
+    lock = Redlock("bench:signals")
+    acquired = {"waited": 0.001, "fencing_token": None, "attempts": 1, "wakeups": 0}
+    acquired.update(granted=5, quorum=3, nodes=5)
+    released = {"held": 0.001, "elapsed": 0.0005, "released": 5, "lost": None}
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(count):
+            signals.lock_acquired.send(Redlock, lock=lock, resource="r", **acquired)
+            signals.lock_released.send(Redlock, lock=lock, resource="r", **released)
+        best = min(best, time.perf_counter() - started)
+    return best / count * 1e6
+
+
+def configurations() -> dict[str, Callable[[], None]]:
+    """Return, by name, a function connecting that configuration's receivers."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import NoOpTracerProvider
+
+    from redlock_django import metrics, signals, tracing
+
+    assert metrics.installed(), "pip install prometheus_client"
+    tracing.uninstall()
+    all_signals = [getattr(signals, name) for name in signals.__all__]
+    # The metrics receivers, as the app config connected them.
+    saved = {signal: list(signal.receivers) for signal in all_signals}
+
+    def connect(metrics_on: bool, provider: object = None) -> Callable[[], None]:
+        def apply() -> None:
+            tracing.uninstall()
+            for signal in all_signals:
+                signal.receivers = list(saved[signal]) if metrics_on else []
+                signal.sender_receivers_cache.clear()
+            if provider is not None:
+                assert tracing.install(tracer_provider=provider)
+
+        return apply
+
+    return {
+        "none": connect(False),
+        "metrics": connect(True),
+        "metrics (again)": connect(True),
+        "metrics+tracing (api)": connect(True, NoOpTracerProvider()),
+        "metrics+tracing (sdk)": connect(True, TracerProvider()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nodes", type=int, default=5)
-    parser.add_argument("--cycles", type=int, default=2000)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--cycles", type=int, default=300)
+    parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
 
     from harness.nodes import NodeSet
@@ -46,32 +115,36 @@ def main() -> None:
                 REDLOCK={"NODES": nodes.urls},
             )
             django.setup()
-            from redlock_django import metrics, signals
-
-            assert metrics.installed(), "pip install prometheus_client"
-            receivers = {
-                s: list(s.receivers) for s in map(signals.__dict__.get, signals.__all__)
-            }
-            cycles_per_second(200)  # warm up connections and script caches
-            on, off = [], []
-            for _ in range(args.reps):
-                for signal, saved in receivers.items():
-                    signal.receivers = list(saved)
-                    signal.sender_receivers_cache.clear()
-                on.append(cycles_per_second(args.cycles))
-                for signal in receivers:
-                    signal.receivers = []
-                    signal.sender_receivers_cache.clear()
-                off.append(cycles_per_second(args.cycles))
+            setups = configurations()
+            runs: dict[str, list[float]] = {name: [] for name in setups}
+            for apply in setups.values():
+                apply()
+                cycles_per_second(200)  # warm up connections, scripts, receivers
+            for rep in range(args.reps):
+                # Rotate the order each rep, so no configuration always runs first.
+                names = list(setups)
+                names = names[rep % len(names) :] + names[: rep % len(names)]
+                for name in names:
+                    setups[name]()
+                    runs[name].append(cycles_per_second(args.cycles))
+            sends = {}
+            for name, apply in setups.items():
+                apply()
+                sends[name] = receivers_us()
         finally:
             nodes.stop_all()
-    with_metrics, without = statistics.median(on), statistics.median(off)
-    print(f"{args.nodes} nodes, {args.cycles} cycles x {args.reps} reps")
-    print(f"metrics on : {with_metrics:8.0f} cycles/s (median)")
-    print(f"metrics off: {without:8.0f} cycles/s (median)")
-    print(f"ratio on/off: {with_metrics / without:.3f}")
-    per_cycle_us = (1 / with_metrics - 1 / without) * 1e6
-    print(f"cost per acquire+release: {per_cycle_us:.1f} us")
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    base = runs["metrics"]
+    print(f"{args.nodes} nodes, {args.cycles} cycles x {args.reps} reps, interleaved")
+    for name, rates in runs.items():
+        ratio = statistics.median(r / b for r, b in zip(rates, base, strict=True))
+        print(
+            f"{name:22} {medians[name]:6.0f} cycles/s (median)   "
+            f"ratio to metrics {ratio:.3f} (median of paired reps)"
+        )
+    print("receivers alone (signals sent for one acquire + release, no network):")
+    for name, us in sends.items():
+        print(f"{name:22} {us:6.1f} us  ({us - sends['none']:+5.1f} us to none)")
 
 
 if __name__ == "__main__":

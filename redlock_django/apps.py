@@ -22,7 +22,7 @@ class RedlockConfig(AppConfig):
         not installed.
         """
         from . import checks as redlock_checks
-        from . import metrics
+        from . import metrics, tracing
 
         checks.register(redlock_checks.check_settings, redlock_checks.TAG)
         checks.register(
@@ -35,3 +35,5 @@ class RedlockConfig(AppConfig):
         checks.register(redlock_checks.check_url_placeholders, checks.Tags.urls)
         # Recorded whenever prometheus_client is installed; a no-op otherwise.
         metrics.install()
+        # Spans whenever opentelemetry-api is installed; no receivers otherwise.
+        tracing.install()

@@ -81,6 +81,7 @@ def report_lost(hold: Hold, reason: str, sender: type) -> None:
         resource=hold.config.spec.resource,
         held=_clock() - hold.lease.acquired,
         reason=reason,
+        fencing_token=hold.lease.fencing_token,
     )
 
 

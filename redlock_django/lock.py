@@ -189,6 +189,9 @@ class Redlock:
             fencing_token=grant.fencing_token,
             attempts=grant.attempts,
             wakeups=grant.wakeups,
+            granted=len(grant.granted),
+            quorum=config.spec.quorum,
+            nodes=config.spec.node_count,
         )
         return hold
 
@@ -200,10 +203,11 @@ class Redlock:
         """
         waited = _clock() - since
         if isinstance(exc, LockContentionError):
-            self._send(signals.lock_contended, waited=waited)
+            self._send(signals.lock_contended, waited=waited, error=exc)
             if not raise_all:
                 return False
-        self._send(signals.lock_unavailable, waited=waited, error=exc)
+        else:
+            self._send(signals.lock_unavailable, waited=waited, error=exc)
         raise exc
 
     def _owned(self, owner: object, verb: str) -> Hold:
@@ -235,7 +239,14 @@ class Redlock:
         spec = hold.config.spec
         held_for = _clock() - hold.lease.acquired
         released, failed = outcome.released, len(outcome.failed)
-        self._send(signals.lock_released, held=held_for)
+        self._send(
+            signals.lock_released,
+            held=held_for,
+            elapsed=elapsed,
+            released=released,
+            lost=outcome.lost,
+            fencing_token=hold.lease.fencing_token,
+        )
         if outcome.lost is not None:
             holds.report_lost(hold, outcome.lost, Redlock)
             raise LockLostError(

@@ -39,11 +39,15 @@ import redis.asyncio
 import redis.asyncio.connection
 import redis.connection
 from django.core.signals import setting_changed
-from redis._parsers import _RESP2Parser
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .address import NodeSpec, connection_params
+
+try:  # private: a redis-py without it leaves TLS connections their default parser
+    from redis._parsers import _RESP2Parser
+except ImportError:  # pragma: no cover - another redis-py layout
+    _RESP2Parser = None  # type: ignore[assignment,misc]
 
 __all__ = ["async_clients", "describe", "reset", "sync_pools"]
 
@@ -118,7 +122,9 @@ def sync_pools(
                 made = []
                 for node in nodes:
                     connection_class, kwargs = _kwargs(node, timeout)
-                    if issubclass(connection_class, redis.connection.SSLConnection):
+                    if _RESP2Parser is not None and issubclass(
+                        connection_class, redis.connection.SSLConnection
+                    ):
                         kwargs["parser_class"] = _RESP2Parser
                     made.append(
                         redis.ConnectionPool(

@@ -3,15 +3,24 @@
 Each sends ``lock`` (the ``Redlock``) and ``resource``, plus:
 
 - ``lock_acquired``: ``waited`` (seconds spent acquiring), ``fencing_token``,
-  ``attempts`` (tries on the nodes) and ``wakeups`` (waits between tries that a
-  release announcement cut short, see ``wake.py``).
-- ``lock_contended``: ``waited``; the wait ran out while others held it.
+  ``attempts`` (tries on the nodes), ``wakeups`` (waits between tries that a
+  release announcement cut short, see ``wake.py``), ``granted`` (nodes that
+  granted the winning try), ``quorum`` and ``nodes`` (how many the lock runs on).
+- ``lock_contended``: ``waited``, ``error`` (the ``LockContentionError``); the
+  wait ran out while others held it.
 - ``lock_unavailable``: ``waited``, ``error``; too few nodes answered.
 - ``lock_extended``: ``validity`` (seconds the new lease guarantees); sent for
   ``extend()`` and for every watchdog extension (from the watchdog's thread or task).
-- ``lock_released``: ``held`` (seconds between grant and release).
-- ``lock_lost``: ``held``, ``reason``; once per hold, when a watchdog gives up or a
-  release finds the lease ran out.
+- ``lock_released``: ``held`` (seconds between grant and release), ``elapsed``
+  (seconds the release on the nodes took), ``released`` (nodes that still had the
+  lock and dropped it), ``lost`` (why the lease was lost while held, else None)
+  and ``fencing_token``.
+- ``lock_lost``: ``held``, ``reason``, ``fencing_token``; once per hold, when a
+  watchdog gives up or a release finds the lease ran out.
+
+Extensions and losses seen by a watchdog are sent from its thread or task, which
+runs in a copy of the acquiring owner's context (``contextvars``), so receivers
+that read context (a trace's current span) see the acquirer's.
 
 The signals cache their receivers per sender, so sending one (with or without
 receivers) costs about a dictionary lookup: they are always sent.

@@ -22,8 +22,13 @@ within NODE_TIMEOUT is dropped. A late reply can then never reach the next calle
 and a node a little slower than the others does not cost a new connection (a TLS
 handshake) on every operation.
 
+How bytes move on one connection is ``wire.py``'s: the fast path reads redis-py
+internals (the socket, to poll() every node at once; the hiredis reader), the
+portable path only redis-py's public connection API; each connection class is
+probed once. A round with any portable connection waits the portable way.
+
 One idea, read top to bottom (the connection bookkeeping, one fan-out round, the
-flow runner), hence a little over 500 lines.
+flow runner), hence about 500 lines.
 """
 
 from __future__ import annotations
@@ -40,18 +45,6 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-try:
-    import hiredis as _hiredis
-except ImportError:  # pragma: no cover - redis-py without hiredis
-    _hiredis = None  # type: ignore[assignment]
-
-try:  # redis-py's hiredis parser, read directly by _read() when it is in use
-    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
-    from redis._parsers.hiredis import _HiredisParser
-except ImportError:  # pragma: no cover - another redis-py layout
-    _HiredisParser = None  # type: ignore[assignment,misc]
-    _NOT_ENOUGH_DATA = object()
-
 from .nodes import describe
 from .protocol import (
     LATE,
@@ -64,11 +57,16 @@ from .protocol import (
     grace,
 )
 from .wake import Hub, SyncWatch
+from .wire import MIN_WAIT as _MIN_WAIT
+from .wire import PORTABLE, SLICE, path_of, wait_one
+from .wire import arrived as _arrived
+from .wire import pack as _pack
+from .wire import read as _read
+from .wire import read_response as _read_response
+from .wire import send as _send
 
 __all__ = ["fanout", "run"]
 
-#: The shortest read timeout: a zero timeout would make the socket non-blocking.
-_MIN_WAIT = 0.0001
 #: After connecting to a node timed out, seconds during which fan-outs do not try
 #: again (the node just counts as failed). A frozen server whose listen backlog is
 #: full, or a partitioned host, would otherwise cost every fan-out a whole
@@ -138,19 +136,6 @@ def _owe(idle: _Idle, conn: Any, until: float) -> None:
         conn.disconnect()
 
 
-def _arrived(conn: Any) -> bool:
-    """Say whether a reply has started to arrive on ``conn``, without waiting.
-
-    redis-py's ``can_read`` also sees bytes a TLS layer or the parser already
-    buffered, which poll() cannot; a broken connection counts as arrived, so that
-    reading it reports the error.
-    """
-    try:
-        return bool(conn.can_read(0))
-    except Exception:
-        return True
-
-
 def _settle(idle: _Idle) -> None:
     """Read and discard the replies owed on kept-aside connections that arrived.
 
@@ -172,7 +157,7 @@ def _settle(idle: _Idle) -> None:
                 conn.disconnect()
             continue
         try:
-            conn.read_response(timeout=_MIN_WAIT)
+            _read_response(conn, _MIN_WAIT)
         except redis.ResponseError:
             pass  # an error reply (NOSCRIPT, ...) is the owed reply too
         except Exception:
@@ -181,78 +166,8 @@ def _settle(idle: _Idle) -> None:
         _give(idle, conn)
 
 
-def _pack(conn: Any, command: tuple[Any, ...]) -> Any:
-    """Encode ``command`` as RESP once for every node of a fan-out.
-
-    Our commands are a name then str/int arguments, so hiredis can take them as
-    they are, without redis-py's per-argument checks; otherwise the connection
-    packs them.
-    """
-    if _hiredis is not None:
-        try:
-            return [_hiredis.pack_command(command)]
-        except TypeError:
-            pass
-    return conn.pack_command(*command)
-
-
-def _send(conn: Any, packed: list[bytes]) -> None:
-    """Write a packed command; a new connection connects (and authenticates) first."""
-    sock = conn._sock
-    if sock is None or len(packed) != 1:
-        conn.send_packed_command(packed, check_health=False)
-        return
-    try:
-        sock.sendall(packed[0])
-    except OSError as exc:
-        conn.disconnect()
-        if isinstance(exc, TimeoutError):
-            raise redis.TimeoutError("Timeout writing to socket") from None
-        raise redis.ConnectionError(f"Error while writing: {exc}") from None
-
-
 def _is_tls(conn: Any) -> bool:
     return isinstance(conn, redis.SSLConnection)
-
-
-def _read(conn: Any, timeout: float) -> Any:
-    """Read one reply from a connection that poll() found readable.
-
-    With redis-py's hiredis parser on a plain socket, the reply is read straight
-    into that parser's own reader: the same objects and errors as
-    ``read_response()``, without its per-call timeout juggling and bookkeeping
-    (a third of a fan-out's Python time). Anything else goes through
-    ``read_response()``.
-    """
-    parser = conn._parser
-    if type(parser) is not _HiredisParser:
-        return conn.read_response(timeout=timeout)
-    reader, sock = parser._reader, parser._sock
-    if reader is None or sock is None:
-        return conn.read_response(timeout=timeout)
-    reply = reader.gets()
-    while reply is _NOT_ENOUGH_DATA:
-        # The socket is readable: one read(2) on its (non-blocking) descriptor,
-        # where sock.recv() would poll once more first. A reply split across
-        # packets waits for the rest with recv(), at most the socket timeout.
-        try:
-            data = os.read(sock.fileno(), 65536)
-        except BlockingIOError:
-            try:
-                data = sock.recv(65536)
-            except TimeoutError:
-                raise redis.TimeoutError("Timeout reading from socket") from None
-            except OSError as exc:
-                raise redis.ConnectionError(f"Error while reading: {exc}") from None
-        except OSError as exc:
-            raise redis.ConnectionError(f"Error while reading: {exc}") from None
-        if not data:
-            raise redis.ConnectionError("Connection closed by server.")
-        reader.feed(data)
-        reply = reader.gets()
-    if isinstance(reply, redis.ConnectionError | redis.ResponseError):
-        raise reply
-    return reply
 
 
 def _command(step: Fanout, by_sha: bool) -> tuple[Any, ...]:
@@ -263,7 +178,7 @@ def _command(step: Fanout, by_sha: bool) -> tuple[Any, ...]:
 class _Call:
     """One node's call in a fan-out: its connection and what was tried on it."""
 
-    __slots__ = ("conn", "idle", "index", "resent", "reused")
+    __slots__ = ("conn", "direct", "idle", "index", "resent", "reused")
 
     def __init__(self, index: int, idle: _Idle, conn: Any, reused: bool) -> None:
         self.index = index
@@ -273,6 +188,8 @@ class _Call:
         self.reused = reused
         #: NOSCRIPT was already answered by resending the script's source.
         self.resent = False
+        #: Its replies are read straight into the hiredis reader (``wire.read``).
+        self.direct = False
 
 
 class _Round:
@@ -286,6 +203,7 @@ class _Round:
         "packed",
         "poller",
         "pools",
+        "portable",
         "replies",
         "step",
         "timeout",
@@ -302,8 +220,11 @@ class _Round:
         self.began = time.monotonic()
         self.deadline = math.inf
         self.replies: dict[int, NodeReply] = {}
-        self.waiting: dict[int, _Call] = {}  # by file descriptor
+        #: By file descriptor on the fast path, by node index on the portable one.
+        self.waiting: dict[int, _Call] = {}
         self.poller = select.poll()
+        #: Some connection has no socket to poll(): wait through can_read() only.
+        self.portable = False
         self.any_tls = False
         self.packed: Any = None
         self.why = "timed out"
@@ -319,6 +240,7 @@ class _Round:
         # after a NOSCRIPT. Redis caches the script either way.
         command = _command(step, by_sha=not step.critical)
         pid = os.getpid()
+        sent: list[_Call] = []
         for i in targets:
             idle, conn, reused = _take(pools[i], pid)
             if not reused and began - idle.stalled_at < STALL_HOLD:
@@ -342,6 +264,13 @@ class _Round:
                 # out when used; the command did not run, so send it on a new one.
                 if not self._again(call, stalled=True):
                     continue
+            sent.append(call)
+        # Connected now: each class's path is known (probed at its first connection).
+        for call in sent:
+            path = path_of(call.conn)
+            call.direct = path.direct
+            self.portable = self.portable or path.name == PORTABLE
+        for call in sent:
             self._wait(call)
             self.any_tls = self.any_tls or _is_tls(call.conn)
         # Each node gets a whole NODE_TIMEOUT after its command went out, however
@@ -367,9 +296,36 @@ class _Round:
         return True
 
     def _wait(self, call: _Call) -> None:
+        if self.portable:
+            self.waiting[call.index] = call
+            return
         fd = call.conn._sock.fileno()
         self.poller.register(fd, select.POLLIN)
         self.waiting[fd] = call
+
+    def _ready(self, left: float) -> list[int]:
+        """Wait up to ``left`` for replies; return the keys of the calls that have one.
+
+        Fast: one poll() on every socket. Portable (no socket to poll): every
+        connection is asked ``can_read(0)``, then one of them, in turn, is waited
+        on for at most ``SLICE``.
+        """
+        waiting = self.waiting
+        if self.portable:
+            ready = [key for key, c in waiting.items() if _arrived(c.conn)]
+            if ready:
+                return ready
+            key, call = next(iter(waiting.items()))
+            del waiting[key]  # to the back of the line: the next wait is another's
+            waiting[key] = call
+            return [key] if wait_one(call.conn, min(SLICE, left)) else []
+        # poll() cannot see bytes a TLS layer already decrypted: those connections
+        # are read in turn, blocking up to the deadline.
+        if self.any_tls:
+            tls = next((fd for fd, c in waiting.items() if _is_tls(c.conn)), None)
+            if tls is not None:
+                return [tls]
+        return [fd for fd, _ in self.poller.poll(max(1, math.ceil(left * 1000)))]
 
     def read(self) -> None:
         """Read the replies as they arrive until the step is decided.
@@ -379,6 +335,7 @@ class _Round:
         hold up the rest.
         """
         waiting, poller = self.waiting, self.poller
+        polled = not self.portable
         need = self.step.need
         wins = 0
         final = False
@@ -399,24 +356,15 @@ class _Round:
                 # CPU), or that sit decrypted in a TLS buffer, count.
                 final = True
                 self.looked = now
-                ready = [(fd, 0) for fd, c in waiting.items() if _arrived(c.conn)]
+                ready = [key for key, c in waiting.items() if _arrived(c.conn)]
                 if not ready:
                     break
             else:
-                # poll() cannot see bytes a TLS layer already decrypted: those
-                # connections are read in turn, blocking up to the deadline.
-                tls = (
-                    next((fd for fd, c in waiting.items() if _is_tls(c.conn)), None)
-                    if self.any_tls
-                    else None
-                )
-                if tls is not None:
-                    ready = [(tls, 0)]
-                else:
-                    ready = poller.poll(max(1, math.ceil(left * 1000)))
-            for fd, _ in ready:
-                call = waiting.pop(fd)
-                poller.unregister(fd)
+                ready = self._ready(left)
+            for key in ready:
+                call = waiting.pop(key)
+                if polled:
+                    poller.unregister(key)
                 if self._answer(call, final, left):
                     wins += 1
 
@@ -431,9 +379,9 @@ class _Round:
         replies = self.replies
         try:
             value = (
-                conn.read_response(timeout=_MIN_WAIT)
+                _read_response(conn, _MIN_WAIT)
                 if final
-                else _read(conn, max(left, _MIN_WAIT))
+                else _read(conn, max(left, _MIN_WAIT), call.direct)
             )
         except NoScriptError:
             if call.resent:

@@ -8,6 +8,7 @@ from the end of each sleep to the next, so it never overlaps a manual extend().
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import random
@@ -83,8 +84,12 @@ class Watchdog:
     # Blocking: a daemon thread whose sleeps end early when stopped.
 
     def start_thread(self) -> None:
+        # In a copy of the acquirer's context, as the asyncio task runs (and as
+        # asyncio.to_thread does): signal receivers see the acquirer's trace.
+        context = contextvars.copy_context()
         self._thread = threading.Thread(
-            target=self._run_thread,
+            target=context.run,
+            args=(self._run_thread,),
             name=f"redlock-watchdog:{self.hold.config.spec.resource}",
             daemon=True,
         )

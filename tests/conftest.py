@@ -1,8 +1,12 @@
 """Fixtures that run the suite against real ``redis-server`` processes.
 
+The servers come from the shipped pytest plugin (``redlock_django.testing.plugin``,
+loaded with ``-p`` in pyproject), under the names this suite has always used:
+
 - ``redis_nodes`` (session): five servers on free loopback ports, started once.
 - ``nodes``: the same five, each running, unpaused and empty when the test starts.
-- ``redlock_settings``: ``settings.REDLOCK`` pointed at ``nodes``, with short timings.
+- ``redlock_settings`` (the plugin's): ``settings.REDLOCK`` pointed at ``nodes``,
+  with short timings.
 - ``make_nodes``: a factory for extra servers (say 3 or 7) owned by one test.
 - ``hold``: acquire locks for a test, released (if still held) at its end.
 - ``api`` / ``other``: a lock owner driving the sync or the async API
@@ -14,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,75 +27,27 @@ from redlock_django import LockError, Redlock
 from tests._api import SyncAPI, make_api
 from tests._matrix import matrix, matrix_recorder  # noqa: F401  (fixtures)
 
-NODE_COUNT = 5
-
 
 @pytest.fixture(scope="session")
-def redis_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeSet]:
-    """Start five redis-servers for the whole session; stop them at its end."""
-    node_set = NodeSet.create(NODE_COUNT, tmp_path_factory.mktemp("redis"))
-    node_set.start_all()
-    try:
-        yield node_set
-    finally:
-        node_set.stop_all()
+def redis_nodes(redlock_servers: NodeSet) -> NodeSet:
+    """The plugin's session servers (five: ``redlock_nodes = 5`` in pyproject)."""
+    return redlock_servers
 
 
 @pytest.fixture
-def nodes(redis_nodes: NodeSet) -> Iterator[NodeSet]:
-    """Yield the session's five nodes, all running, unpaused and flushed.
+def nodes(redis_nodes: NodeSet, redlock_nodes: NodeSet) -> NodeSet:
+    """The five nodes, each running, unpaused and flushed (the plugin's fixture).
 
-    Whatever an earlier test did to them (paused, killed, stopped, filled with
-    keys) is undone first; nodes left paused are resumed at teardown.
+    Asks for ``redis_nodes`` too, so teardown code reaching for it (test_faults)
+    finds it active instead of making a new request, which pytest deprecates.
     """
-    redis_nodes.ensure_running()
-    redis_nodes.flush_all()
-    try:
-        yield redis_nodes
-    finally:
-        redis_nodes.resume_all()
+    return redlock_nodes
 
 
 @pytest.fixture
-def redlock_settings(settings: Any, nodes: NodeSet) -> dict[str, Any]:
-    """Point ``settings.REDLOCK`` at the five test nodes and return that dict."""
-    config: dict[str, Any] = {
-        "NODES": nodes.urls,
-        "TTL": 10.0,
-        # Loopback answers in well under a millisecond, but a 2-core CI box running
-        # worker processes or Chromium can stall a node for tens of milliseconds.
-        "NODE_TIMEOUT": 0.1,
-        "RETRY_DELAY": 0.02,
-        "RETRY_JITTER": 0.02,
-        "WAIT_TIMEOUT": 2.0,
-    }
-    settings.REDLOCK = config
-    return config
-
-
-@pytest.fixture
-def make_nodes(tmp_path: Path) -> Iterator[Callable[..., NodeSet]]:
-    """Return a factory ``make_nodes(count, *, appendfsync_always=False)``.
-
-    Each call starts ``count`` new servers and returns them as a ``NodeSet``;
-    all of them are stopped when the test ends.
-    """
-    created: list[NodeSet] = []
-
-    def factory(count: int, *, appendfsync_always: bool = False) -> NodeSet:
-        directory = tmp_path / f"nodes{len(created)}"
-        node_set = NodeSet.create(
-            count, directory, appendfsync_always=appendfsync_always
-        )
-        created.append(node_set)
-        node_set.start_all()
-        return node_set
-
-    try:
-        yield factory
-    finally:
-        for node_set in created:
-            node_set.stop_all()
+def make_nodes(make_redlock_nodes: Callable[..., NodeSet]) -> Callable[..., NodeSet]:
+    """``make_nodes(count, *, appendfsync_always=False)``: the plugin's factory."""
+    return make_redlock_nodes
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "redlock_django"
 #: The layer that takes nodes and plain numbers (STYLE.md §2): no Django, no settings.
-CORE = ("exceptions", "protocol", "scripts", "keys")
+CORE = ("exceptions", "protocol", "scripts", "keys", "wire")
 
 
 def _modules() -> dict[str, Path]:
@@ -131,3 +131,19 @@ def test_core_module_imports_neither_django_nor_the_django_layer(name):
                     todo.append(target)
     assert "!django" not in reach
     assert reach.isdisjoint({"conf", "checks", "decorators", "admin", "lock", "nodes"})
+
+
+def test_the_library_never_imports_its_test_helpers():
+    """``redlock_django.testing`` (pytest, server processes) serves users' tests only.
+
+    pytest is not a dependency of the library: nothing outside ``testing`` may reach
+    it, and ``testing`` itself imports pytest only in the plugin module.
+    """
+    graph = _graph()
+    library = {n: t for n, t in graph.items() if not n.startswith("testing")}
+    for name, targets in library.items():
+        assert not {t for t in targets if t.startswith("testing")}, name
+        assert "!pytest" not in targets, name
+    helpers = {n for n in graph if n.startswith("testing")}
+    assert helpers >= {"testing", "testing.plugin", "testing.servers"}
+    assert [n for n in sorted(helpers) if "!pytest" in graph[n]] == ["testing.plugin"]

@@ -15,9 +15,16 @@ from typing import Any
 import pytest
 import redis
 
-from harness import nodes as node_module
-from harness.nodes import NodeSet, RedisNode, RedisNodeError, find_redis_server
+from harness.nodes import (
+    SERVER_ENV,
+    NodeSet,
+    RedisNode,
+    RedisNodeError,
+    ServerNotFoundError,
+    find_redis_server,
+)
 from harness.processes import process_state
+from redlock_django.testing import servers as node_module
 
 
 def test_five_nodes_listen_on_distinct_ports_and_answer_ping(nodes: NodeSet) -> None:
@@ -223,6 +230,13 @@ def test_fixed_port_collision_fails_with_log_tail(tmp_path: Path) -> None:
         assert not node.is_running
 
 
+@pytest.fixture
+def default_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``REDLOCK_TEST_SERVER``: the default choice, even in a Valkey run."""
+    monkeypatch.delenv(SERVER_ENV, raising=False)
+
+
+@pytest.mark.usefixtures("default_server")
 def test_find_redis_server_prefers_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -234,6 +248,7 @@ def test_find_redis_server_prefers_path(
     assert find_redis_server() == str(fake)
 
 
+@pytest.mark.usefixtures("default_server")
 def test_find_redis_server_falls_back_to_venv_bin(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -248,13 +263,14 @@ def test_find_redis_server_falls_back_to_venv_bin(
     assert find_redis_server() == str(fake)
 
 
+@pytest.mark.usefixtures("default_server")
 def test_find_redis_server_explains_how_to_install_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With no binary anywhere, the error says how to get one."""
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
-    with pytest.raises(RuntimeError, match="apt install redis-server"):
+    with pytest.raises(ServerNotFoundError, match="apt install redis-server"):
         find_redis_server()
 
 

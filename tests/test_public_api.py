@@ -72,3 +72,27 @@ def test_lock_error_carries_its_context() -> None:
     assert (err.resource, err.granted, err.nodes, err.quorum) == ("r", 1, 5, 3)
     assert err.failed == {"redis://127.0.0.1:7001/0": "timed out"}
     assert str(err) == "could not acquire 'r': 1/5 nodes, quorum 3"
+
+
+#: ``redlock_django.testing``: for users' test suites, never imported by the library.
+TESTING_API = {
+    "HOST",
+    "SERVER_ENV",
+    "TEST_TIMINGS",
+    "NodeSet",
+    "RedisNode",
+    "RedisNodeError",
+    "ServerNotFoundError",
+    "find_redis_server",
+    "find_valkey_server",
+    "free_port",
+    "redlock_config",
+}
+
+
+def test_testing_all_is_its_released_api() -> None:
+    """The test helpers' names are pinned like the library's, and all exist."""
+    import redlock_django.testing as testing
+
+    assert set(testing.__all__) == TESTING_API
+    assert all(hasattr(testing, name) for name in TESTING_API)

@@ -10,7 +10,13 @@ import pytest
 from prometheus_client import REGISTRY
 
 from harness.held import lock_key
-from redlock_django import QuorumUnavailableError, Redlock, metrics, signals
+from redlock_django import (
+    LockContentionError,
+    QuorumUnavailableError,
+    Redlock,
+    metrics,
+    signals,
+)
 
 
 @pytest.fixture
@@ -123,3 +129,16 @@ def test_metrics_count_acquisitions_contention_and_holds(
     assert sample("redlock_contended_total") == contended + 1
     assert sample("redlock_hold_seconds_count") == holds + 1
     assert sample("redlock_held") == held
+
+
+def test_contention_in_a_with_block_is_not_signalled_as_unavailable(
+    sent: list[Any], nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    """A busy lock raises LockContentionError from ``with`` and is signalled once,
+    as contention: it is not a quorum failure (nor counted as one)."""
+    for node in nodes[:3]:
+        node.clog(lock_key("busy"))
+    with pytest.raises(LockContentionError), Redlock("busy"):
+        pass
+    assert names(sent) == ["lock_contended"]
+    assert isinstance(sent[0][1]["error"], LockContentionError)

@@ -86,8 +86,15 @@ def test_wheel_holds_the_templates_migrations_and_type_marker_and_no_sample_code
         "redlock_django/templates/admin/redlock_django/held_locks.html",
         "redlock_django/migrations/0001_initial.py",
         "redlock_django/management/commands/redlock.py",
+        "redlock_django/testing/plugin.py",
     ):
         assert required in names
+    [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    with zipfile.ZipFile(_wheel(dist)) as wheel:
+        declared = wheel.read(entry_points).decode()
+    # The pytest plugin users' suites load (README: "Testing your code").
+    assert "[pytest11]" in declared
+    assert "redlock_django.testing.plugin" in declared
     tops = {name.split("/")[0] for name in names}
     assert not tops & {"shop", "tests", "harness", "loadtests", "benchmarks"}
 

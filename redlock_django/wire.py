@@ -1,0 +1,285 @@
+"""One redis-py connection for the blocking driver: the fast path or the portable one.
+
+The fast path reads redis-py internals: the connection's socket (``conn._sock``),
+so that one poll() waits on every node of a fan-out and one ``sendall()`` writes a
+command, and with redis-py's hiredis parser that parser's reader
+(``conn._parser._reader``, fed straight from the socket, with
+``redis._parsers.hiredis.NOT_ENOUGH_DATA`` as its "incomplete" answer). None of
+this is redis-py's public API, and a release may move it, as may a connection class
+of one's own. So each connection class is probed once, at its first connection
+(``path_of``), and a class whose internals are missing or answer otherwise takes
+the portable path: redis-py's public connection API only (``pack_command``,
+``send_packed_command``, ``can_read(timeout)``, ``read_response()``; its
+``timeout=`` where the class declares it: redis-py 8 does, 5.0 and 6.4 do not).
+
+The portable path keeps the driver's rules (every node written before any reply
+is read, one NODE_TIMEOUT deadline, late replies read and thrown away before a
+connection is reused); it only waits less cleverly: with no socket to poll(), it
+asks each waiting connection ``can_read(0)`` and, when none has a reply yet,
+waits on one of them in turn for at most ``SLICE``.
+
+``REDLOCK_SYNC_DRIVER=portable`` in the environment, read once at import, forces
+the portable path for every connection: a testing and diagnostic aid (``make
+test-portable`` runs the lock suite on it). ``PATHS`` says which path each
+connection class took and why; the choice is also logged once per class at DEBUG.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any, NamedTuple
+
+import redis
+
+try:
+    import hiredis as _hiredis
+except ImportError:  # pragma: no cover - redis-py without hiredis
+    _hiredis = None  # type: ignore[assignment]
+
+try:  # redis-py's hiredis parser, read directly by read() when it is in use
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
+    from redis._parsers.hiredis import _HiredisParser
+except ImportError:  # pragma: no cover - another redis-py layout
+    _HiredisParser = None  # type: ignore[assignment,misc]
+    _NOT_ENOUGH_DATA = object()
+
+__all__ = [
+    "FAST",
+    "FORCED",
+    "PATHS",
+    "PORTABLE",
+    "SLICE",
+    "Path",
+    "arrived",
+    "pack",
+    "path_of",
+    "read",
+    "read_response",
+    "send",
+    "wait_one",
+]
+
+logger = logging.getLogger(__name__)
+
+FAST = "fast"
+PORTABLE = "portable"
+ENV = "REDLOCK_SYNC_DRIVER"
+#: The longest the portable path waits on one connection before it looks at the
+#: others again: the most a reply can wait unseen while another node is watched.
+SLICE = 0.0005
+#: The shortest read timeout: a zero timeout would make the socket non-blocking.
+MIN_WAIT = 0.0001
+
+
+def _forced(environ: Any = os.environ) -> bool:
+    value = environ.get(ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return False
+    if value == PORTABLE:
+        return True
+    raise ValueError(
+        f"{ENV} must be 'auto' (the default: redis-py's internals where they are "
+        f"as expected) or 'portable' (redis-py's public API only), not {value!r}"
+    )
+
+
+#: ``REDLOCK_SYNC_DRIVER=portable``: every connection takes the portable path.
+FORCED = _forced()
+
+
+class Path(NamedTuple):
+    """The path a connection class takes, and why."""
+
+    name: str  # FAST or PORTABLE
+    #: Replies are read straight into the hiredis parser's reader (fast only).
+    direct: bool
+    why: str
+
+
+#: The path each connection class took, decided at its first connection.
+PATHS: dict[type, Path] = {}
+
+_MISSING = object()
+
+
+def path_of(conn: Any) -> Path:
+    """Return the path for ``conn``'s class, probing it on its first connection.
+
+    ``conn`` must be connected (a command was just sent on it).
+    """
+    klass = type(conn)
+    path = PATHS.get(klass)
+    if path is None:
+        # Two threads may probe the same class at once: they find the same answer.
+        path = PATHS[klass] = _probe(conn)
+        logger.debug(
+            "%s.%s connections take the %s path (%s)",
+            klass.__module__,
+            klass.__qualname__,
+            path.name,
+            path.why,
+        )
+    return path
+
+
+def _probe(conn: Any) -> Path:
+    if FORCED:
+        return Path(PORTABLE, False, f"{ENV}=portable")
+    name = type(conn).__name__
+    sock: Any = getattr(conn, "_sock", _MISSING)
+    if sock is _MISSING:
+        return Path(PORTABLE, False, f"{name} has no _sock")
+    try:
+        fd = sock.fileno()
+    except Exception:
+        fd = None
+    writable = callable(getattr(sock, "sendall", None))
+    if not isinstance(fd, int) or fd < 0 or not writable:
+        return Path(PORTABLE, False, f"{name}._sock is not a connected socket")
+    direct, why = _direct(conn, sock)
+    return Path(FAST, direct, why)
+
+
+def _direct(conn: Any, sock: Any) -> tuple[bool, str]:
+    """Say whether replies on ``conn`` can be read into its hiredis reader, and why."""
+    if _HiredisParser is None:
+        return False, "poll() on _sock; no redis._parsers.hiredis: read_response()"
+    parser = getattr(conn, "_parser", None)
+    if type(parser) is not _HiredisParser:
+        kind = type(parser).__name__
+        return False, f"poll() on _sock; parser {kind}: read_response()"
+    reader = getattr(parser, "_reader", None)
+    if reader is None or getattr(parser, "_sock", None) is not sock:
+        return False, "poll() on _sock; the hiredis parser's _reader or _sock differ"
+    # Nothing is buffered after connecting: the reader must say "not enough data"
+    # with redis-py's own sentinel, or read() would take its answer for a reply.
+    if reader.gets() is not _NOT_ENOUGH_DATA:
+        return False, "poll() on _sock; the hiredis reader's 'incomplete' differs"
+    return True, "poll() on _sock; replies read into the hiredis reader"
+
+
+def arrived(conn: Any) -> bool:
+    """Say whether a reply has started to arrive on ``conn``, without waiting.
+
+    redis-py's ``can_read`` also sees bytes a TLS layer or the parser already
+    buffered, which poll() cannot; a broken connection counts as arrived, so that
+    reading it reports the error.
+    """
+    try:
+        return bool(conn.can_read(0))
+    except Exception:
+        return True
+
+
+def pack(conn: Any, command: tuple[Any, ...]) -> Any:
+    """Encode ``command`` as RESP once for every node of a fan-out.
+
+    On the fast path, our commands (a name then str/int arguments) go to hiredis
+    as they are, without redis-py's per-argument checks; otherwise the connection
+    packs them.
+    """
+    path = PATHS.get(type(conn))
+    if _hiredis is not None and path is not None and path.name == FAST:
+        try:
+            return [_hiredis.pack_command(command)]
+        except TypeError:
+            pass
+    return conn.pack_command(*command)
+
+
+def send(conn: Any, packed: list[bytes]) -> None:
+    """Write a packed command; a new connection connects (and authenticates) first.
+
+    Only a connection of a class already probed fast is written to directly.
+    """
+    path = PATHS.get(type(conn))
+    sock = conn._sock if path is not None and path.name == FAST else None
+    if sock is None or len(packed) != 1:
+        conn.send_packed_command(packed, check_health=False)
+        return
+    try:
+        sock.sendall(packed[0])
+    except OSError as exc:
+        conn.disconnect()
+        if isinstance(exc, TimeoutError):
+            raise redis.TimeoutError("Timeout writing to socket") from None
+        raise redis.ConnectionError(f"Error while writing: {exc}") from None
+
+
+def read(conn: Any, timeout: float, direct: bool) -> Any:
+    """Read one reply from a connection whose reply has started to arrive.
+
+    With ``direct`` and redis-py's hiredis parser on a plain socket, the reply is
+    read straight into that parser's own reader: the same objects and errors as
+    ``read_response()``, without its per-call timeout juggling and bookkeeping (a
+    third of a fan-out's Python time). Anything else goes through
+    ``read_response()``.
+    """
+    if not direct:
+        return read_response(conn, timeout)
+    parser = conn._parser
+    if type(parser) is not _HiredisParser:
+        return read_response(conn, timeout)
+    reader, sock = parser._reader, parser._sock
+    if reader is None or sock is None:
+        return read_response(conn, timeout)
+    reply = reader.gets()
+    while reply is _NOT_ENOUGH_DATA:
+        # The socket is readable: one read(2) on its (non-blocking) descriptor,
+        # where sock.recv() would poll once more first. A reply split across
+        # packets waits for the rest with recv(), at most the socket timeout.
+        try:
+            data = os.read(sock.fileno(), 65536)
+        except BlockingIOError:
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                raise redis.TimeoutError("Timeout reading from socket") from None
+            except OSError as exc:
+                raise redis.ConnectionError(f"Error while reading: {exc}") from None
+        except OSError as exc:
+            raise redis.ConnectionError(f"Error while reading: {exc}") from None
+        if not data:
+            raise redis.ConnectionError("Connection closed by server.")
+        reader.feed(data)
+        reply = reader.gets()
+    if isinstance(reply, redis.ConnectionError | redis.ResponseError):
+        raise reply
+    return reply
+
+
+#: Whether each connection class's ``read_response`` declares ``timeout=``.
+_TAKES_TIMEOUT: dict[type, bool] = {}
+
+
+def read_response(conn: Any, timeout: float) -> Any:
+    """Read one reply on ``conn``, waiting at most ``timeout`` for it to start.
+
+    ``read_response(timeout=...)`` where the connection class declares it. Where it
+    does not (redis-py 5.0 and 6.4; a class forwarding ``**kwargs``), ``can_read``
+    waits and a reply that has started is read with the socket's own timeout
+    (NODE_TIMEOUT on the lock's pools).
+    """
+    klass = type(conn)
+    takes = _TAKES_TIMEOUT.get(klass)
+    if takes is None:
+        try:
+            takes = "timeout" in inspect.signature(klass.read_response).parameters
+        except (TypeError, ValueError):
+            takes = False
+        _TAKES_TIMEOUT[klass] = takes
+    if takes:
+        return conn.read_response(timeout=timeout)
+    if not conn.can_read(timeout):
+        raise redis.TimeoutError("Timeout reading from socket")
+    return conn.read_response()
+
+
+def wait_one(conn: Any, timeout: float) -> bool:
+    """Wait up to ``timeout`` for a reply on ``conn``; say whether one came."""
+    try:
+        return bool(conn.can_read(timeout))
+    except Exception:
+        return True
