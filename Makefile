@@ -26,7 +26,7 @@ BASE_PYTHON6 ?= $(shell for p in $(PYTHON6_CANDIDATES) \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1 \
 	&& { command -v $$p; break; }; done)
 
-.PHONY: venv test test-django6 test-valkey test-portable lint demo chaos clean
+.PHONY: venv test test-django6 test-valkey test-portable matrix matrix-ci lint demo chaos clean
 
 venv: $(STAMP)
 
@@ -81,6 +81,20 @@ PORTABLE_TESTS ?= tests/test_lock.py tests/test_quorum.py tests/test_faults.py \
 test-portable: $(STAMP)
 	REDLOCK_SYNC_DRIVER=portable $(PYTHON) -m pytest $(PORTABLE_TESTS) $(PYTEST_ARGS)
 
+# The supported-version matrix (noxfile.py): the whole suite on every combination of
+# Python 3.11-3.13, Django 5.2 / 6.0 / newest 6.x, redis-py 5.0 (the declared lower
+# bound) / newest and Redis / Valkey nodes, one after another, each in its own venv
+# under .nox/. NOX_ARGS passes options through, e.g.
+#   make matrix NOX_ARGS='-s "tests(3.12, django6.0, redis-py-newest, redis)" -- -x'
+# `make matrix-ci` runs only the oldest and the newest combination (what CI runs).
+NOX_ARGS ?=
+
+matrix: $(STAMP)
+	$(VENV)/bin/nox $(NOX_ARGS)
+
+matrix-ci: $(STAMP)
+	$(VENV)/bin/nox -t ci $(NOX_ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -105,7 +119,7 @@ chaos: $(STAMP)
 	$(PYTHON) -m loadtests.chaos $(CHAOS_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VENV6) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV6) .nox build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	rm -rf .demo reports
 	rm -f tests/test.sqlite3 db.sqlite3 db.sqlite3-wal db.sqlite3-shm

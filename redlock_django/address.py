@@ -245,8 +245,10 @@ def _parse_url(url: str) -> _Target:
     try:
         options = _redis_parse_url(url)
     except ValueError as exc:
-        # redis-py names the option but not its value: safe to repeat.
-        raise _URLError(str(exc)[0].lower() + str(exc)[1:].rstrip(".")) from None
+        # redis-py names the option but not its value: safe to repeat. redis-py
+        # 5.x quotes the name with backticks, 6.0 and later with single quotes.
+        reason = str(exc).replace("`", "'")
+        raise _URLError(reason[0].lower() + reason[1:].rstrip(".")) from None
     options.pop("connection_class", None)
     _check_options(parts.scheme, options)
     db = options.get("db", 0)

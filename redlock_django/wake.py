@@ -186,7 +186,8 @@ class _Reader(threading.Thread):
             if conn is not None:
                 conn.send_command("UNSUBSCRIBE", *stale)
 
-    def _handle(self, reply: Any) -> None:
+    def _on_reply(self, reply: Any) -> None:
+        # Not ``_handle``: Python 3.13's Thread keeps its ``_ThreadHandle`` there.
         if not isinstance(reply, list) or len(reply) < 3:
             return
         kind, channel = reply[0], reply[1]
@@ -207,7 +208,7 @@ class _Reader(threading.Thread):
                 try:
                     self._prune()
                     if self._conn.can_read(timeout=POLL):
-                        self._handle(self._conn.read_response())
+                        self._on_reply(self._conn.read_response())
                         self._warned = False
                 except Exception as exc:
                     self._warn(describe(exc))

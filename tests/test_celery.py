@@ -26,6 +26,7 @@ import pytest
 import redis
 from celery import Celery
 from django.core.exceptions import ImproperlyConfigured
+from kombu.transport import redis as kombu_redis
 
 from harness.held import held_on
 from harness.nodes import NodeSet, RedisNode
@@ -449,6 +450,17 @@ def deliveries(workers: list[Worker], task_id: str) -> int:
     return sum(worker.text().count(f"[{task_id}] received") for worker in workers)
 
 
+# kombu 5.7 reads ``unacked_restore_interval`` (the app sets 0.2 s); before it an
+# unacknowledged message is restored every 10 s at most, after the first run ended.
+# (Celery 5.5, the one that works with redis-py < 5.3, needs kombu < 5.6.)
+_QUICK_RESTORE = hasattr(kombu_redis.Channel, "unacked_restore_interval")
+
+
+@pytest.mark.skipif(
+    not _QUICK_RESTORE,
+    reason="this kombu restores unacknowledged messages every 10 s at most (no "
+    "unacked_restore_interval, kombu < 5.7): no redelivery while the first run goes on",
+)
 @pytest.mark.parametrize("locked", [True, False], ids=["locked", "unlocked"])
 def test_acks_late_redelivery_never_runs_beside_the_first_delivery(
     late_workers: list[Worker],

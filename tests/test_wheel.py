@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 _NOT_SOURCES = shutil.ignore_patterns(
     ".git",
     ".venv*",
+    ".nox",
     "build",
     "dist",
     "*.egg-info",
@@ -177,22 +178,24 @@ print(json.dumps({
 def test_installed_wheel_runs_in_a_fresh_project(
     dist: Path, tmp_path: Path, make_nodes: Callable[..., NodeSet]
 ) -> None:
+    # Nothing of the checkout may leak in: no PYTHONPATH, the project as cwd. Not
+    # while installing either: pip would take the checkout's egg-info on a
+    # PYTHONPATH for an installed redlock-django and skip the wheel.
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("PYTHON", "DJANGO", "VIRTUAL_ENV"))
+    }
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)])
+    _run([sys.executable, "-m", "venv", str(venv)], env=env)
     python = str(venv / "bin" / "python")
-    _run([python, "-m", "pip", "install", "--quiet", str(_wheel(dist))])
+    _run([python, "-m", "pip", "install", "--quiet", str(_wheel(dist))], env=env)
 
     project = tmp_path / "site"
     project.mkdir()
     (project / "site_settings.py").write_text(textwrap.dedent(SETTINGS))
     (project / "site_urls.py").write_text(textwrap.dedent(URLS))
     nodes = make_nodes(3)
-    # Nothing of the checkout may leak in: no PYTHONPATH, the project as cwd.
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("PYTHON", "DJANGO", "VIRTUAL_ENV"))
-    }
     env.update(
         DJANGO_SETTINGS_MODULE="site_settings",
         PYTHONPATH=str(project),
