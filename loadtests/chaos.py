@@ -83,8 +83,8 @@ DEFAULT_TTL = 5.0
 # Lines of the app servers' logs worth counting in the report.
 APP_LOG_MARKERS = {
     "Traceback": "tracebacks",
+    # distributed_lock's log line, for the product and the customer lock alike.
     "lost while": "lock lost while held",
-    "expired while held": "customer lock expired while held",
     "did not answer and expire": "release missed nodes",
     "was sent SIGKILL": "workers killed",
 }

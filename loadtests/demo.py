@@ -37,6 +37,7 @@ from typing import Any
 from harness.locust import locust_command, locust_env
 from harness.nodes import NodeSet
 from harness.processes import HOST, REPO, Children, log_tail, pick_ports
+from loadtests import holds
 
 
 def run_manage(args: list[str], env: dict[str, str]) -> str:
@@ -223,6 +224,7 @@ class Demo:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.stage = Stage(REPO / ".demo", (REPO / args.reports_dir).resolve())
+        self.timings_dir = self.stage.workdir / "timings"
 
     # -- a Locust run ----------------------------------------------------------
 
@@ -281,13 +283,38 @@ class Demo:
         summary["locust_exit_code"] = process.returncode
         summary["verify_sale_exit_code"] = verify(self.stage.env, product_id)
         summary["html"] = str(html)
+        if mode == "locked":
+            self.add_hold_figures(summary, product_id)
         return summary
+
+    def work_ms(self) -> float:
+        """The payment time the app servers spend (``--work-ms``, else theirs)."""
+        if self.args.work_ms is not None:
+            return float(self.args.work_ms)
+        return float(self.stage.env.get("SHOP_WORK_MS") or 5)
+
+    def add_hold_figures(self, summary: dict[str, Any], product_id: int) -> None:
+        """Add the hot lock's utilization, median hold and payment share."""
+        records = holds.read_records(self.timings_dir, product_id)
+        report = holds.summarize(records)
+        summary["holds"] = report.as_json()
+        summary["work_ms"] = self.work_ms()
+        summary["payment_share"] = holds.payment_share(
+            int(summary.get("orders") or 0),
+            self.work_ms(),
+            summary.get("order_span_s"),
+        )
+        summary["phases_text"] = holds.format_phases(report)
+        out = self.stage.reports / "holds.json"
+        out.write_text(json.dumps(summary["holds"], indent=1) + "\n")
 
     # -- the whole demo ----------------------------------------------------------
 
     def run(self) -> int:
         args = self.args
         prepare(self.stage, args.work_ms)
+        # The locked buy view writes per-phase timings here (shop/timings.py).
+        self.stage.env["SHOP_TIMINGS_DIR"] = str(self.timings_dir)
         print(f"[1/6] Redis: {start_redis(self.stage, args.redis_nodes)}", flush=True)
         database = self.stage.env["DATABASE_URL"]
         shown = database if database.startswith("sqlite") else "DATABASE_URL"
@@ -321,6 +348,17 @@ class Demo:
     def report(self, unsafe: dict[str, Any], locked: dict[str, Any]) -> int:
         print()
         print(format_table([unsafe, locked]))
+        print()
+        print(
+            "hold util: the product lock's holds (lock_released's held) over the "
+            "time from the first sale to the last; work util: the same from "
+            "acquire() returning to the release starting; hold p50: median hold; pay "
+            f"share: (orders - 1) x {self.work_ms():g} ms payment over the time "
+            "from the first order to the last, as Locust saw them"
+        )
+        if locked.get("phases_text"):
+            print("where a sold hold of the product lock goes (means, ms):")
+            print(locked["phases_text"])
         print()
         for summary in (unsafe, locked):
             html = rel(Path(summary["html"]))
@@ -373,9 +411,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "errors",
         "p50 ms",
         "p99 ms",
+        "hold util",
+        "work util",
+        "hold p50 ms",
+        "pay share",
     )
     lines = [header]
     for row in rows:
+        figures = row.get("holds") or {}
+        util, hold = figures.get("utilization"), figures.get("median_hold_ms")
+        work = figures.get("work_utilization")
+        share = row.get("payment_share")
         lines.append(
             (
                 f"{row.get('mode', '?')} ({row.get('endpoint', '?')}/)",
@@ -387,6 +433,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 str(row.get("failures", "?")),
                 str(row.get("p50_ms", "?")),
                 str(row.get("p99_ms", "?")),
+                "-" if util is None else f"{util:.2f}",
+                "-" if work is None else f"{work:.2f}",
+                "-" if hold is None else f"{hold:.1f}",
+                "-" if share is None else f"{share:.2f}",
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

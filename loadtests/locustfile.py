@@ -85,6 +85,7 @@ class RunState:
 
     outcomes: Counter[str] = field(default_factory=Counter)
     started_at: float = 0.0
+    first_order_at: float | None = None
     last_order_at: float | None = None
     sold_out_at: float | None = None
     double_clicks: int = 0
@@ -231,6 +232,8 @@ class ShopUser(FastHttpUser):
                 response.success()
                 RUN.outcomes["201 order"] += 1
                 RUN.last_order_at = time.time()
+                if RUN.first_order_at is None:
+                    RUN.first_order_at = RUN.last_order_at
             elif status in EXPECTED_REFUSALS:
                 response.success()
                 reason = _error_name(response)
@@ -393,6 +396,12 @@ def summarize(environment: Environment) -> dict[str, Any]:
         "double_clicks": RUN.double_clicks,
         "double_orders": RUN.double_orders,
         "expect_oversell": expect_oversell,
+        # Seconds from the first 201 Locust saw to the last (None: under two).
+        "order_span_s": (
+            round(RUN.last_order_at - RUN.first_order_at, 4)
+            if RUN.first_order_at is not None and RUN.last_order_at is not None
+            else None
+        ),
     }
     problems: list[str] = []
     try:

@@ -7,3 +7,8 @@ class ShopConfig(AppConfig):
     name = "shop"
     verbose_name = "Flash-sale shop"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import timings
+
+        timings.connect()

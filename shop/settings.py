@@ -102,6 +102,9 @@ DEFAULT_EXCEPTION_REPORTER_FILTER = "redlock_django.conf.SafeSettingsReporterFil
 # Simulated "payment" time spent inside both buy views' critical sections, so the
 # locked and unsafe endpoints are compared doing the same work.
 SHOP_WORK_SECONDS = int(os.environ.get("SHOP_WORK_MS", "5")) / 1000
+# A directory: when set, the buy view writes per-phase timings of each purchase
+# there (shop/timings.py; ``make demo`` sets it for its locked run).
+SHOP_TIMINGS_DIR = os.environ.get("SHOP_TIMINGS_DIR", "")
 # Most units one order may buy.
 SHOP_MAX_PER_ORDER = int(os.environ.get("SHOP_MAX_PER_ORDER", "5"))
 

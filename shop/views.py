@@ -5,16 +5,26 @@
 1. The input is validated before any lock is taken: 400
    ``{"error": "bad_request", "detail": <reason>}``. An unknown product is a 404
    ``{"error": "not_found", ...}``.
-2. ``@distributed_lock(<the product's model_resource>, fencing=True)`` takes the
-   product lock (waiting up to ``REDLOCK["WAIT_TIMEOUT"]``; 423 / 503 JSON from the
-   decorator), then ``Redlock("shop:customer:<customer>")`` the customer lock,
-   always in that order, so two locks never wait for each other crosswise.
-3. Under both: read the product row (its stock and fencing token, in one
-   query), refuse (409 ``already_ordered`` / ``sold_out``), spend
-   ``SHOP_WORK_SECONDS`` of "payment", then in one transaction write ``stock =
-   <read value> - quantity`` with ``fenced_update`` and create the order. A
-   refused write is a 409 ``stale_lock`` and creates no order. 201 ``{"order":
-   {...}, "stock": <left>}``.
+2. ``@distributed_lock("shop:customer:<customer>")`` takes the customer lock,
+   then ``@distributed_lock(<the product's model_resource>, fencing=True)`` the
+   product lock, always in that order, so two locks never wait for each other
+   crosswise (each waits up to ``REDLOCK["WAIT_TIMEOUT"]``; 423 / 503 JSON from
+   the decorator, naming the lock's resource).
+3. Under the customer lock alone, before the product's: refuse a second order
+   (409 ``already_ordered``: no other request of this customer runs, and their
+   earlier orders were committed before their lock was released; the unique
+   constraint still catches an order made after a customer lease ran out) and
+   a stock already too low (409 ``sold_out``: stock only falls during a sale).
+4. Under both, the product's critical section, kept to what needs it: read the
+   product row (its stock and fencing token, in one query), refuse a stock too
+   low (409 ``sold_out``), spend ``SHOP_WORK_SECONDS`` of "payment", then in one
+   transaction write ``stock = <read value> - quantity`` with ``fenced_update``
+   and create the order. A refused write is a 409 ``stale_lock`` and creates no
+   order. 201 ``{"order": {...}, "stock": <left>}``. The product lock is
+   released after the commit, then the customer lock.
+
+With ``SHOP_TIMINGS_DIR`` set, each purchase's steps are timed
+(``shop/timings.py``); ``make demo`` prints where a hold of the product lock goes.
 
 The fenced write is a compare-and-set: it stores ``<read value> - quantity`` only
 where the row still holds the token read with the stock, and that token is
@@ -45,7 +55,6 @@ transaction, so a slow payment does not keep SQLite's write lock.
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
 from typing import Any
@@ -57,17 +66,14 @@ from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 
 from redlock_django import (
-    LockLostError,
-    QuorumUnavailableError,
     Redlock,
     distributed_lock,
     fenced_update,
     model_resource,
 )
 
+from . import timings
 from .models import Order, Product, audit
-
-logger = logging.getLogger(__name__)
 
 #: A customer id: 1-64 characters of letters, digits and ``_ . @ -``.
 CUSTOMER_RE = re.compile(r"[A-Za-z0-9_.@-]{1,64}\Z", re.ASCII)
@@ -211,15 +217,23 @@ def _prelude(request: HttpRequest, product_id: int) -> tuple[str, int] | JsonRes
 @csrf_exempt
 @transaction.non_atomic_requests
 def buy(request: HttpRequest, product_id: int) -> HttpResponse:
-    """Buy under the product lock (fenced) and the customer lock."""
+    """Buy under the customer lock, then the product lock (fenced)."""
+    timings.begin(product_id)
     checked = _prelude(request, product_id)
     if isinstance(checked, JsonResponse):
+        timings.finish(checked.status_code)
         return checked
     customer, quantity = checked
-    response: HttpResponse = _buy_locked(
+    response: HttpResponse = _buy_as_customer(
         request, product_id=product_id, customer=customer, quantity=quantity
     )
+    timings.finish(response.status_code)
     return response
+
+
+def _customer_resource(request: HttpRequest, *args: Any, **kwargs: Any) -> str:
+    """Name the customer's lock: ``shop:customer:<customer>``."""
+    return f"shop:customer:{kwargs['customer']}"
 
 
 def _product_resource(request: HttpRequest, *args: Any, **kwargs: Any) -> str:
@@ -227,48 +241,46 @@ def _product_resource(request: HttpRequest, *args: Any, **kwargs: Any) -> str:
     return model_resource(Product, kwargs["product_id"])
 
 
+@distributed_lock(_customer_resource)
+def _buy_as_customer(
+    request: HttpRequest, product_id: int, customer: str, quantity: int
+) -> HttpResponse:
+    """Under the customer lock: refuse what can be refused, then take the product's.
+
+    No other request of this customer runs now, and any order it made earlier
+    was committed before its customer lock was released, so ``already_ordered``
+    is decided here. Stock only falls during a sale, so a stock already too low
+    is ``sold_out`` whenever it is read; a stock high enough is read again under
+    the product lock.
+    """
+    if Order.objects.filter(product_id=product_id, customer=customer).exists():
+        return _already_ordered(customer, product_id)
+    product = _get_product(product_id)
+    if product is None:
+        return _not_found(product_id)
+    if product.stock < quantity:
+        return _sold_out(product, quantity)
+    timings.mark("checked")
+    response: HttpResponse = _buy_locked(
+        request, product_id=product_id, customer=customer, quantity=quantity
+    )
+    return response
+
+
 @distributed_lock(_product_resource, fencing=True)
 def _buy_locked(
     request: HttpRequest, product_id: int, customer: str, quantity: int
 ) -> HttpResponse:
-    product_lock: Redlock = request.redlock  # type: ignore[attr-defined]
-    customer_lock = Redlock(
-        f"shop:customer:{customer}", label=f"customer {customer}", reentrant=False
-    )
-    try:
-        acquired = customer_lock.acquire()
-    except QuorumUnavailableError as exc:
-        return _error(
-            503,
-            "unavailable",
-            f"too few lock servers answered ({exc.granted} of {exc.nodes} granted, "
-            f"{exc.quorum} needed)",
-            resource=exc.resource,
-        )
-    if not acquired:
-        response = _error(
-            423,
-            "locked",
-            f"another request of customer {customer!r} is in progress",
-            resource=customer_lock.resource,
-        )
-        response["Retry-After"] = "1"
-        return response
-    try:
-        return _sell(product_lock, product_id, customer, quantity)
-    finally:
-        try:
-            customer_lock.release()
-        except LockLostError:
-            logger.warning("customer lock %s expired while held", customer_lock)
-
-
-def _sell(lock: Redlock, product_id: int, customer: str, quantity: int) -> JsonResponse:
-    checked = _check_order(product_id, customer, quantity)
-    if isinstance(checked, JsonResponse):
-        return checked
-    product = checked  # read under the lock, with its fencing token
+    """The product's critical section: read, pay, fenced write, commit."""
+    lock: Redlock = request.redlock  # type: ignore[attr-defined]
+    product = _get_product(product_id)  # read under the lock, with its fencing token
+    timings.mark("read")
+    if product is None:
+        return _not_found(product_id)
+    if product.stock < quantity:
+        return _sold_out(product, quantity)
     _work()
+    timings.mark("paid")
     token = lock.fencing_token
     try:
         with transaction.atomic():
@@ -289,8 +301,10 @@ def _sell(lock: Redlock, product_id: int, customer: str, quantity: int) -> JsonR
                 quantity=quantity,
                 fencing_token=token,
             )
+            timings.mark("written")
     except IntegrityError:
         return _already_ordered(customer, product_id)
+    timings.mark("committed")
     return _created(order, product.stock)
 
 

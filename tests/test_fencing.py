@@ -106,12 +106,32 @@ def fenced_lock(**options: Any) -> Redlock:
     return Redlock(RESOURCE, fencing=True, ttl=1.0, **options)
 
 
+def wait_until_free(nodes: NodeSet) -> None:
+    """Wait until no node holds the lock key (at most its 1 s lease, plus slack).
+
+    A node frozen in the previous step runs that step's acquire and release once
+    resumed, on two connections in either order: a late acquire left after the
+    release holds the key for its lease, and that node would rightly refuse the
+    next step (seen on a loaded machine: node 2 did not grant with all five awake).
+    """
+    deadline = time.monotonic() + 3.0
+    while any(_holds_key(node) for node in nodes):
+        assert time.monotonic() < deadline, "a lock key outlived its 1 s lease"
+        time.sleep(0.01)
+
+
+def _holds_key(node: RedisNode) -> bool:
+    with node.client() as client:
+        return bool(client.exists(LOCK_KEY))
+
+
 def redlock_step(nodes: NodeSet, lock: Redlock, majority: Sequence[int]) -> int:
     """Acquire ``lock`` with only ``majority`` awake; check who granted; release.
 
     The granting nodes hold the token on the lock hash and as their counter; the
     nodes left out keep their counters unchanged.
     """
+    wait_until_free(nodes)
     before = counters(nodes)
     with only(nodes, majority), held(lock):
         assert lock.acquire(timeout=3.0), f"not acquired with {majority} awake"

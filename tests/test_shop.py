@@ -32,6 +32,7 @@ from django.test import Client
 from harness.held import lock_key
 from harness.nodes import NodeSet
 from redlock_django import Redlock
+from redlock_django.signals import lock_acquired, lock_released
 from shop.models import Order, Product, audit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -281,6 +282,59 @@ def test_a_customer_lock_held_elsewhere_is_423(
     assert buy(client, product.pk, "bob")[0] == 201
     product.refresh_from_db()
     assert (product.stock, Order.objects.count()) == (9, 1)
+
+
+@pytest.mark.django_db
+def test_the_customer_lock_comes_first_and_refusals_need_no_product_lock(
+    client: Client, redlock_settings: dict[str, Any], settings: Any, nodes: NodeSet
+) -> None:
+    """Customer lock, then product lock; refusals are decided under the first alone.
+
+    A sale takes the customer's lock, then the product's, and releases them in
+    the reverse order (seen from the lock's own signals). With the product lock
+    held elsewhere, a second order and a stock already too low are still
+    answered 409 at once: the product lock is not waited for (the order before
+    this change answered both 423 after the wait).
+    """
+    settings.REDLOCK = {**redlock_settings, "WAIT_TIMEOUT": 0.2}
+    product = make_product(2)
+    events: list[tuple[str, str]] = []
+
+    def acquired(sender: Any, resource: str, **info: Any) -> None:
+        events.append(("acquired", resource))
+
+    def released(sender: Any, resource: str, **info: Any) -> None:
+        events.append(("released", resource))
+
+    lock_acquired.connect(acquired)
+    lock_released.connect(released)
+    try:
+        assert buy(client, product.pk, "alice")[0] == 201
+        customer, item = "shop:customer:alice", f"shop.product:{product.pk}"
+        assert events == [
+            ("acquired", customer),
+            ("acquired", item),
+            ("released", item),
+            ("released", customer),
+        ]
+        events.clear()
+        for node in nodes:
+            node.clog(lock_key(item))
+        status, body = buy(client, product.pk, "alice")
+        assert (status, body["error"]) == (409, "already_ordered")
+        status, body = buy(client, product.pk, "bob", 2)
+        assert (status, body["error"], body["stock"]) == (409, "sold_out", 1)
+        assert [resource for _, resource in events] == [customer, customer] + [
+            "shop:customer:bob"
+        ] * 2
+        # A purchase that could sell still needs the product lock: 423.
+        status, body = buy(client, product.pk, "carol", 1)
+        assert (status, body["resource"]) == (423, item)
+    finally:
+        lock_acquired.disconnect(acquired)
+        lock_released.disconnect(released)
+    product.refresh_from_db()
+    assert (product.stock, Order.objects.count()) == (1, 1)
 
 
 @pytest.mark.django_db
