@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -68,6 +69,8 @@ __all__ = [
 
 #: Longest lock label (method and path), in characters.
 MAX_LABEL_LENGTH = 200
+
+logger = logging.getLogger(__name__)
 
 Hook = Callable[[HttpRequest, Any], Any]
 View_ = TypeVar("View_", bound=Callable[..., Any])
@@ -110,6 +113,11 @@ def _set_redlock(request: HttpRequest, lock: Redlock | None) -> Redlock | None:
     if lock is not None:
         attributes["redlock"] = lock
     return cast("Redlock | None", previous)
+
+
+def _log_unavailable(request: HttpRequest, exc: QuorumUnavailableError) -> None:
+    """Say in the log why a view was not run: which nodes failed, and how."""
+    logger.warning("%s %s not run: %s", request.method, request.path, exc)
 
 
 def _view_name(request: HttpRequest, fallback: str) -> str:
@@ -286,6 +294,7 @@ class Guard:
         except LockContentionError as exc:
             return self._hook(on_locked, request, exc, self._locked())
         except QuorumUnavailableError as exc:
+            _log_unavailable(request, exc)
             return self._hook(on_unavailable, request, exc, responses.unavailable)
         held = self._held(lock, _view_name(request, view_name))
         previous = _set_redlock(request, lock)
@@ -339,6 +348,7 @@ class Guard:
         except LockContentionError as exc:
             return await self._ahook(on_locked, request, exc, self._locked())
         except QuorumUnavailableError as exc:
+            _log_unavailable(request, exc)
             return await self._ahook(
                 on_unavailable, request, exc, responses.unavailable
             )

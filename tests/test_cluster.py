@@ -163,6 +163,31 @@ def test_bad_duration_is_refused() -> None:
 
 
 @pytest.mark.timeout(420)
+def test_app_logs_say_why_they_answered_503() -> None:
+    line = (
+        "POST /shop/products/1/buy/ not run: could not acquire 'shop.product:1': "
+        "too few nodes answered: 1/5 nodes, quorum 3 (failed: node[0] redis1:6379: "
+        "timed out; node[1] redis2:6379: skipped: connecting timed out {}s ago)"
+    )
+    logs = [line.format("0.21") + "\nGET / 200\n" + line.format("0.5"), "nothing"]
+    [(why, count)] = checks.unavailable_reasons(logs)
+    assert count == 2
+    assert why.startswith("too few nodes answered: N/N nodes, quorum N")
+    assert "shop.product" not in why
+
+
+def test_only_picks_named_faults_in_order_and_refuses_unknown_ones() -> None:
+    from loadtests.cluster.nemesis import Step, pick
+
+    def step(name: str) -> Step:
+        return Step(name, 1.0, lambda: "", lambda: "")
+
+    steps = [step("a, b"), step("c")]
+    assert [s.name for s in pick(steps, "c; a, b;c")] == ["c", "a, b", "c"]
+    with pytest.raises(SystemExit, match="no fault named 'd'; the faults are: a, b, c"):
+        pick(steps, "c;d")
+
+
 def test_short_cluster_run_passes(tmp_path: Path) -> None:
     """Every fault of the schedule, shortened (about 100 s): the run exits 0."""
     if os.environ.get("NOX_CURRENT_SESSION"):

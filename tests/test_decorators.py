@@ -411,12 +411,23 @@ def test_nonblocking_view_answers_at_once_with_its_own_ttl_as_retry_after(
 
 @pytest.mark.parametrize("url", ["/views/sync/{}/", "/views/cbv/mixin/{}/"])
 def test_three_of_five_nodes_stopped_gives_503_and_the_view_never_runs(
-    client: Client, redlock_settings: dict[str, Any], nodes: Any, url: str
+    client: Client,
+    redlock_settings: dict[str, Any],
+    nodes: Any,
+    url: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Fewer than a quorum reachable: 503 with Retry-After, not 423, no body run."""
     for node in nodes[:3]:
         node.stop()
-    response = client.get(url.format("a"))
+    with caplog.at_level("WARNING", logger="redlock_django.decorators"):
+        response = client.get(url.format("a"))
+    # The log says which nodes failed and how: one line, no exception trace.
+    [record] = [r for r in caplog.records if r.name == "redlock_django.decorators"]
+    assert record.exc_info is None
+    message = record.getMessage()
+    assert message.startswith(f"GET {url.format('a')} not run: could not acquire")
+    assert "too few nodes answered" in message and "node[0]" in message
     assert response.status_code == 503
     assert response["Retry-After"] == "5"
     body = response.json()
@@ -428,12 +439,22 @@ def test_three_of_five_nodes_stopped_gives_503_and_the_view_never_runs(
 
 @pytest.mark.parametrize("url", ["/views/async/{}/", "/views/cbv/aclass/{}/"])
 async def test_async_view_with_three_nodes_stopped_gives_503(
-    async_client: Any, redlock_settings: dict[str, Any], nodes: Any, url: str
+    async_client: Any,
+    redlock_settings: dict[str, Any],
+    nodes: Any,
+    url: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The async path reports the outage the same way."""
+    """The async path reports the outage the same way, in the response and the log."""
     for node in nodes[:3]:
         node.stop()
-    response = await async_client.get(url.format("a"))
+    with caplog.at_level("WARNING", logger="redlock_django.decorators"):
+        response = await async_client.get(url.format("a"))
+    assert any(
+        "not run: could not acquire" in r.getMessage()
+        for r in caplog.records
+        if r.name == "redlock_django.decorators"
+    )
     assert response.status_code == 503
     assert response["Retry-After"] == "5"
     assert response.json()["error"] == "unavailable"

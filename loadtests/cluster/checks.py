@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,3 +303,18 @@ def _near_a_minority_phase(answer: Answer, phases: list[Phase]) -> bool:
         answer.host in p.minority_hosts and p.start - GRACE <= answer.at < p.end + GRACE
         for p in phases
     )
+
+
+_RESOURCE = re.compile(r"could not acquire '[^']*': ")
+_NUMBER = re.compile(r"\d+(\.\d+)?")
+
+
+def unavailable_reasons(log_texts: list[str], top: int = 5) -> list[tuple[str, int]]:
+    """The commonest reasons the app hosts logged for a 503 (numbers as N)."""
+    reasons: Counter[str] = Counter()
+    for text in log_texts:
+        for line in text.splitlines():
+            _, found, why = line.partition(" not run: ")
+            if found:
+                reasons[_NUMBER.sub("N", _RESOURCE.sub("", why))] += 1
+    return reasons.most_common(top)

@@ -275,7 +275,22 @@ def schedule(
         Step("nginx loses app3", hold, _lb_loses("app3", cluster),
              _heal(topology.NGINX_HOST), heal_host="app3"),
     ]  # fmt: skip
+    if args.only:
+        return gap, pick(steps, args.only), pauser
     return gap, steps, pauser
+
+
+def pick(steps: list[Step], only: str) -> list[Step]:
+    """The steps named in ``only`` (``;``-separated), in that order, repeats kept."""
+    by_name = {step.name: step for step in steps}
+    names = [name.strip() for name in only.split(";") if name.strip()]
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise SystemExit(
+            f"--only: no fault named {', '.join(map(repr, unknown))}; "
+            f"the faults are: {', '.join(by_name)}"
+        )
+    return [by_name[name] for name in names]
 
 
 def run(
@@ -409,6 +424,13 @@ def run(
             for c in group
         ],
         "series": series(access, load_s),
+        "unavailable_reasons": checks.unavailable_reasons(
+            [
+                (cluster.logs / f"{host}.log").read_text(errors="replace")
+                for host in topology.APP_HOSTS
+                if (cluster.logs / f"{host}.log").exists()
+            ]
+        ),
         "html": str(html),
         "ok": all(c.ok for c in all_checks),
     }
@@ -488,6 +510,10 @@ def format_report(report: dict[str, Any]) -> str:
         )
     if report.get("paused_purchase"):
         lines.append(f"  the paused worker's purchase: {report['paused_purchase']}")
+    if report.get("unavailable_reasons"):
+        lines.append("  why the app hosts answered 503 (their logs, commonest first):")
+        for why, count in report["unavailable_reasons"]:
+            lines.append(f"    {count:5d}x {why[:300]}")
     lines.append("  invariants:")
     for c in report["checks"]:
         if c["kind"] == "liveness" and c["ok"]:

@@ -424,6 +424,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="break the restart rule on purpose: the checks must fail",
     )
+    parser.add_argument(
+        "--only",
+        default="",
+        metavar="NAMES",
+        help="run only these faults, separated by semicolons, each as often as named "
+        "(e.g. 'one-way redis2;one-way redis2': a fault under study, repeated)",
+    )
     parser.add_argument("--run-dir", type=Path, default=REPO / ".cluster")
     parser.add_argument("--reports-dir", type=Path, default=REPO / "reports")
     parser.add_argument("--summary-json", type=Path, default=None)
