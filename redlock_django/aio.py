@@ -180,33 +180,46 @@ async def fanout(
     deadline = began + timeout
     try:
         wins = 0
-        while pending and not (need and wins >= need):
-            now = loop.time()
-            if now >= deadline:
-                # Each node gets a whole NODE_TIMEOUT from its command's write,
-                # however late the loop got to it.
-                later = max(marks[index[call]] for call in pending) + timeout
-                if later <= now:
+        while True:
+            while pending and not (need and wins >= need):
+                now = loop.time()
+                if now >= deadline:
+                    # Each node gets a whole NODE_TIMEOUT from its command's write,
+                    # however late the loop got to it.
+                    later = max(marks[index[call]] for call in pending) + timeout
+                    if later <= now:
+                        break
+                    deadline = later
+                done, pending = await asyncio.wait(
+                    pending, timeout=deadline - now, return_when=asyncio.FIRST_COMPLETED
+                )
+                for call in done:
+                    reply = got[index[call]]
+                    if winning is not None and reply is not None and reply.ok:
+                        wins += winning(reply.value)
+            if pending and need and wins >= need:
+                # Known outcome: give the other nodes a few round trips (as sync.py
+                # does), then stop waiting for a slow or hung one.
+                _, pending = await asyncio.wait(
+                    pending, timeout=grace(loop.time() - began)
+                )
+                why = UNAWAITED
+            # Replies that sit in socket buffers are read before any node is given
+            # up: the loop runs its ready callbacks and polls its sockets.
+            for _ in range(_SETTLE_TURNS):
+                if all(got[index[call]] is not None for call in pending):
                     break
-                deadline = later
-            done, pending = await asyncio.wait(
-                pending, timeout=deadline - now, return_when=asyncio.FIRST_COMPLETED
-            )
-            for call in done:
-                reply = got[index[call]]
-                if winning is not None and reply is not None and reply.ok:
-                    wins += winning(reply.value)
-        if pending and need and wins >= need:
-            # Known outcome: give the other nodes a few round trips (as sync.py
-            # does), then stop waiting for a slow or hung one.
-            _, pending = await asyncio.wait(pending, timeout=grace(loop.time() - began))
-            why = UNAWAITED
-        # Replies that sit in socket buffers are read before any node is given
-        # up: the loop runs its ready callbacks and polls its sockets.
-        for _ in range(_SETTLE_TURNS):
-            if all(got[index[call]] is not None for call in pending):
+                await asyncio.sleep(0)
+            # Those turns may have finished a connect and written the command only
+            # now (a crowded loop): that node has not had its NODE_TIMEOUT yet. Wait
+            # on; marks move at most twice per connection, so this ends.
+            silent = [call for call in pending if got[index[call]] is None]
+            if why == UNAWAITED or not silent:
                 break
-            await asyncio.sleep(0)
+            later = max(marks[index[call]] for call in silent) + timeout
+            if later <= loop.time():
+                break
+            deadline = later
         # Done long after the deadline (the timer served late, or each turn of a
         # crowded loop long), the look says nothing about the nodes still silent.
         lag = loop.time() - deadline

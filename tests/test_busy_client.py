@@ -190,15 +190,6 @@ def contend_threads(
         worker.join()
 
 
-@pytest.mark.xfail(
-    reason=(
-        "known bug, not fixed: aio.fanout can still report healthy nodes as timed "
-        "out when its loop is starved while 100 connections are being opened "
-        "(1 in about 10 runs on 2 cores: 'too few nodes answered: 0/5 nodes ... "
-        "timed out'; seen in the version matrix and in CI's oldest session)"
-    ),
-    strict=False,
-)
 def test_contending_tasks_under_a_cpu_hog_never_report_an_outage(
     busy_settings: dict[str, Any], cpu_hog: None
 ) -> None:
