@@ -175,9 +175,33 @@ def get_settings() -> RedlockSettings:
     )
 
 
+def parse_nodes(entries: list[str] | tuple[str, ...]) -> tuple[NodeSpec, ...]:
+    """Parse a lock's own ``nodes=[...]`` list, once per distinct list.
+
+    Locks built in a loop with the same explicit list would otherwise re-parse
+    every URL each time. Cached until ``REDLOCK`` or ``CACHES`` changes (an alias
+    may then name another server); a list that cannot be hashed is parsed as is,
+    so that its bad entry gets ``parse_node()``'s message.
+    """
+    entries = tuple(entries)
+    try:
+        return _parse_nodes(entries)
+    except TypeError:  # an unhashable entry: not a string, refused below
+        caches = cache_settings()
+        return tuple(parse_node(e, i, caches) for i, e in enumerate(entries))
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_nodes(entries: tuple[str, ...]) -> tuple[NodeSpec, ...]:
+    caches = cache_settings()
+    return tuple(parse_node(e, i, caches) for i, e in enumerate(entries))
+
+
 def reset() -> None:
-    """Forget the cached settings (nodes.py closes its clients on its own)."""
+    """Forget the cached settings and parsed node lists (nodes.py closes its
+    clients on its own)."""
     get_settings.cache_clear()
+    _parse_nodes.cache_clear()
 
 
 def _on_setting_changed(*, setting: str, **kwargs: object) -> None:

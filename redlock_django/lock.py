@@ -30,8 +30,8 @@ from asgiref.sync import iscoroutinefunction
 from django.dispatch import Signal
 
 from . import aio, holds, meta, nodes, signals, sync, wake
-from .address import NodeSpec, parse_node
-from .conf import RedlockSettings, cache_settings, check_seconds, get_settings
+from .address import NodeSpec
+from .conf import RedlockSettings, check_seconds, get_settings, parse_nodes
 from .exceptions import (
     LockContentionError,
     LockError,
@@ -113,10 +113,7 @@ class Redlock:
                 raise ValueError(
                     "nodes must be a non-empty list of Redis URLs or aliases"
                 )
-            caches = cache_settings()
-            self._nodes: tuple[NodeSpec, ...] | None = tuple(
-                parse_node(entry, i, caches) for i, entry in enumerate(nodes)
-            )
+            self._nodes: tuple[NodeSpec, ...] | None = parse_nodes(nodes)
         else:
             self._nodes = None
         self.ttl = ttl

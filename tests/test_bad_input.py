@@ -149,6 +149,7 @@ CASES = [
     Case("nodes=str", acquire(nodes="redis://h/0"), ValueError, r"nodes must be"),
     Case("nodes=ftp", acquire(nodes=["ftp://h/0"]), ValueError, r"scheme 'ftp'"),
     Case("nodes=[1]", acquire(nodes=[1]), ValueError, r"\[0\] must be a string"),
+    Case("nodes=[{}]", acquire(nodes=[{}]), ValueError, r"\[0\] must be a string"),
     Case(
         "resource=None",
         lambda _: Redlock(None).acquire(),  # type: ignore[arg-type]

@@ -482,6 +482,32 @@ def test_lock_runs_on_explicit_nodes_instead_of_the_settings(
         assert tokens(nodes, "explicit") == [None] * 5
 
 
+def test_explicit_nodes_are_parsed_once_per_list_until_caches_change(
+    settings: Any, nodes: Any, make_nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    """Locks built over and over with one ``nodes=[...]`` list share its parsed
+    nodes; an alias in it follows a change of CACHES, as the settings path does."""
+    extra = make_nodes(3)
+    urls = extra.urls
+    first, again = Redlock("a", nodes=urls), Redlock("b", nodes=list(urls))
+    assert first._nodes is again._nodes
+    backend = "django.core.cache.backends.redis.RedisCache"
+    settings.CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "locks": {"BACKEND": backend, "LOCATION": nodes[0].url},
+    }
+    with Redlock("aliased", nodes=["locks", *urls[1:]]):
+        assert nodes[0].client().exists(lock_key("aliased")) == 1
+    settings.CACHES = {
+        **settings.CACHES,
+        "locks": {"BACKEND": backend, "LOCATION": urls[0]},
+    }
+    with Redlock("aliased", nodes=["locks", *urls[1:]]):
+        assert extra[0].client().exists(lock_key("aliased")) == 1
+        assert nodes[0].client().exists(lock_key("aliased")) == 0
+    assert Redlock("c", nodes=urls)._nodes is not first._nodes  # parsed anew
+
+
 def test_settings_change_takes_effect_on_existing_lock_objects(
     settings: Any, nodes: Any, make_nodes: Any, redlock_settings: dict[str, Any]
 ) -> None:
