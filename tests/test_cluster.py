@@ -163,7 +163,6 @@ def test_bad_duration_is_refused() -> None:
         run.parse_args(["--duration", "10"])
 
 
-@pytest.mark.timeout(420)
 def test_app_logs_say_why_they_answered_503() -> None:
     line = (
         "POST /shop/products/1/buy/ not run: could not acquire 'shop.product:1': "
@@ -207,6 +206,7 @@ def _only_liveness_failed(summary: Path) -> bool:
     return bool(failed) and all(c["kind"] == "liveness" for c in failed)
 
 
+@pytest.mark.timeout(900)  # two runs of at most 400 s each
 def test_short_cluster_run_passes(tmp_path: Path) -> None:
     """Every fault of the schedule, shortened (about 100 s): the run exits 0.
 
