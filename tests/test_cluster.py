@@ -172,7 +172,8 @@ def test_app_logs_say_why_they_answered_503() -> None:
     logs = [line.format("0.21") + "\nGET / 200\n" + line.format("0.5"), "nothing"]
     [(why, count)] = checks.unavailable_reasons(logs)
     assert count == 2
-    assert why.startswith("too few nodes answered: N/N nodes, quorum N")
+    assert why.startswith("too few nodes answered: 1/5 nodes, quorum 3")
+    assert why.endswith("node[1] redis2:6379: skipped: connecting timed out Ns ago)")
     assert "shop.product" not in why
 
 
@@ -206,16 +207,20 @@ def _only_liveness_failed(summary: Path) -> bool:
     return bool(failed) and all(c["kind"] == "liveness" for c in failed)
 
 
-@pytest.mark.timeout(900)  # two runs of at most 400 s each
+#: Runs of the short cluster run when only liveness checks fail (see below).
+LIVENESS_TRIES = 3
+
+
+@pytest.mark.timeout(1300)  # three runs of at most 400 s each
 def test_short_cluster_run_passes(tmp_path: Path) -> None:
     """Every fault of the schedule, shortened (about 100 s): the run exits 0.
 
     A run whose only failures are liveness checks (orders/s, 503s from a host
-    with a majority) is run once more, and the first one's report is printed as
-    a warning: those checks measure a 2-core machine's throughput phase by phase,
-    and one phase of one run in about ten has gone slow unexplained (see the
-    closing notes). A safety failure (oversold, lost order, overlapping
-    windows) is never run again.
+    with a majority) is run again, up to LIVENESS_TRIES runs in all, each failed
+    one's report printed as a warning: those checks measure a 2-core machine's
+    throughput phase by phase, and about 3 runs in 14 had one phase go slow
+    (docs/deployment.md says where and the likely cause). A safety failure
+    (oversold, lost order, overlapping windows) is never run again.
     """
     if os.environ.get("NOX_CURRENT_SESSION"):
         pytest.skip(
@@ -225,14 +230,17 @@ def test_short_cluster_run_passes(tmp_path: Path) -> None:
     why = run.missing_requirements()
     if why is not None:
         pytest.skip(f"the cluster run needs what is missing here: {why}")
-    result, summary = _short_run(tmp_path / "first")
-    if result.returncode == 1 and _only_liveness_failed(summary):
+    for attempt in range(1, LIVENESS_TRIES + 1):
+        result, summary = _short_run(tmp_path / f"run{attempt}")
+        if attempt == LIVENESS_TRIES or not (
+            result.returncode == 1 and _only_liveness_failed(summary)
+        ):
+            break
         warnings.warn(
-            "the short cluster run failed a liveness check only; running it again. "
-            "Its report:\n" + result.stdout[-6000:],
+            f"short cluster run {attempt} failed a liveness check only; running it "
+            "again. Its report:\n" + result.stdout[-6000:],
             stacklevel=1,
         )
-        result, summary = _short_run(tmp_path / "again")
     if result.returncode == run.SKIP_EXIT:
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -306,15 +306,15 @@ def _near_a_minority_phase(answer: Answer, phases: list[Phase]) -> bool:
 
 
 _RESOURCE = re.compile(r"could not acquire '[^']*': ")
-_NUMBER = re.compile(r"\d+(\.\d+)?")
+_AGO = re.compile(r"\d+(\.\d+)?s ago")
 
 
 def unavailable_reasons(log_texts: list[str], top: int = 5) -> list[tuple[str, int]]:
-    """The commonest reasons the app hosts logged for a 503 (numbers as N)."""
+    """The commonest reasons the app hosts logged for a 503 ("Ns ago" for times)."""
     reasons: Counter[str] = Counter()
     for text in log_texts:
         for line in text.splitlines():
             _, found, why = line.partition(" not run: ")
             if found:
-                reasons[_NUMBER.sub("N", _RESOURCE.sub("", why))] += 1
+                reasons[_AGO.sub("Ns ago", _RESOURCE.sub("", why))] += 1
     return reasons.most_common(top)
