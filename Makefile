@@ -26,7 +26,7 @@ BASE_PYTHON6 ?= $(shell for p in $(PYTHON6_CANDIDATES) \
 	$$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1 \
 	&& { command -v $$p; break; }; done)
 
-.PHONY: venv test test-django6 test-valkey test-portable matrix matrix-full matrix-ci lint demo chaos cluster clean
+.PHONY: venv test test-django6 test-valkey test-portable test-fair matrix matrix-full matrix-ci lint demo chaos cluster clean
 
 venv: $(STAMP)
 
@@ -76,10 +76,17 @@ test-valkey: $(STAMP)
 PORTABLE_TESTS ?= tests/test_lock.py tests/test_quorum.py tests/test_faults.py \
 	tests/test_stalled_nodes.py tests/test_busy_client.py tests/test_driver_connections.py \
 	tests/test_validity.py tests/test_extensions.py tests/test_retry_tokens.py \
-	tests/test_mutex.py tests/test_portable_driver.py
+	tests/test_mutex.py tests/test_portable_driver.py tests/test_partitions.py
 
 test-portable: $(STAMP)
 	REDLOCK_SYNC_DRIVER=portable $(PYTHON) -m pytest $(PORTABLE_TESTS) $(PYTEST_ARGS)
+
+# The fault matrix (docs/reliability.md) and the partition tests again with every
+# lock fair (REDLOCK["FAIR"] = True: the queue, tickets and wake-one; docs/fairness.md).
+FAIR_TESTS ?= tests/test_faults.py tests/test_partitions.py tests/test_stalled_nodes.py
+
+test-fair: $(STAMP)
+	REDLOCK_TEST_FAIR=1 $(PYTHON) -m pytest $(FAIR_TESTS) $(PYTEST_ARGS)
 
 # The supported-version matrix (noxfile.py): the whole suite on each of the 14
 # combinations of Python 3.11-3.13, Django 5.2 / 6.0 / newest 6.x and redis-py 5.0

@@ -6,7 +6,8 @@ configures Django itself, and measures:
 * uncontended acquire + release of a fresh key (cycles/s, p50/p99 latency) on 1, 3,
   5 and 7 nodes for the raw floor (``SET NX PX`` then a compare-and-delete script,
   every node written before any reply is read, over raw sockets), redlock_django
-  (default settings, and with ``fencing=True``) and pottery's ``Redlock``; on one
+  (default settings, and with ``fencing=True``; on 1 and 5 nodes also a lock built
+  with an explicit ``nodes=[...]`` list) and pottery's ``Redlock``; on one
   node also redis-py's ``Lock``, django-redis' ``cache.lock`` and python-redis-lock.
   Every configuration runs once per rep, reps interleaved; the medians are shown.
 * contended: 4 processes on one key, each looping acquire / GET + SET a counter /
@@ -197,6 +198,21 @@ def _setup_redlock(fencing: bool) -> Callable[..., Any]:
     return setup
 
 
+def setup_explicit_nodes(ports: Sequence[int], urls: Sequence[str]) -> Any:
+    """A new lock per cycle built with ``nodes=[...]`` (no REDLOCK setting needed)."""
+    from redlock_django import Redlock
+
+    nodes = list(urls)
+
+    def cycle(key: str) -> None:
+        lock = Redlock(key, nodes=nodes)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError(f"redlock_django could not take {key!r}")
+        lock.release()
+
+    return cycle, lambda: None
+
+
 def setup_pottery(ports: Sequence[int], urls: Sequence[str]) -> Any:
     from pottery import Redlock
 
@@ -266,6 +282,7 @@ def contestants() -> list[Contestant]:
         Contestant("raw floor", NODE_COUNTS, setup_floor),
         Contestant("redlock_django", NODE_COUNTS, _setup_redlock(fencing=False)),
         Contestant("redlock_django fencing", NODE_COUNTS, _setup_redlock(fencing=True)),
+        Contestant("redlock_django nodes=[...]", (1, 5), setup_explicit_nodes),
     ]
     if _installed("pottery"):
         made.append(Contestant("pottery Redlock", NODE_COUNTS, setup_pottery))
@@ -351,10 +368,10 @@ def run_uncontended(
 
 def _locker(kind: str, ports: Sequence[int], urls: Sequence[str], key: str) -> Any:
     """Return (acquire, release) for one contended process; acquire blocks."""
-    if kind == "redlock_django":
+    if kind in ("redlock_django", "redlock_django fair"):
         from redlock_django import Redlock, signals
 
-        lock = Redlock(key, nodes=list(urls))
+        lock = Redlock(key, nodes=list(urls), fair=kind.endswith("fair"))
 
         def count(**kwargs: Any) -> None:
             ATTEMPTS.append(kwargs["attempts"])
@@ -549,6 +566,8 @@ def contended_plan() -> list[tuple[str, str, int]]:
     plan = [
         ("redlock_django", "redlock_django", 5),
         ("redlock_django", "redlock_django", 1),
+        ("redlock_django fair", "redlock_django fair", 5),
+        ("redlock_django fair", "redlock_django fair", 1),
         ("raw spin", "raw spin loop", 5),
         ("raw spin", "raw spin loop", 1),
         ("redis-py", "redis-py Lock", 1),
@@ -835,6 +854,14 @@ def targets(
     checks.append(
         (f"uncontended 1 node >= redis-py Lock ({rd1 / rp1:.2f}x)", rd1 >= rp1)
     )
+    explicit5 = u("redlock_django nodes=[...]", 5)
+    checks.append(
+        (
+            f"nodes=[...] within 5% of the settings path, 5 nodes "
+            f"({explicit5 / rd5:.2f}x)",
+            explicit5 >= 0.95 * rd5,
+        )
+    )
     f5 = u("redlock_django fencing", 5)
     # One extra round trip at most: the fenced cycle costs at most the plain cycle
     # plus one more floor round trip (half a floor cycle).
@@ -871,6 +898,43 @@ def targets(
                 r1.handoffs_per_s >= p1.handoffs_per_s,
             )
         )
+    fair5, fair1 = c("redlock_django fair", 5), c("redlock_django fair", 1)
+    for x in (r5, r1, fair5, fair1):
+        if x and x.attempts:
+            per_acq = statistics.mean(x.attempts)
+            checks.append(
+                (
+                    f"{x.name} {x.nodes} node(s): attempts per acquisition <= 1.2 "
+                    f"({per_acq:.2f})",
+                    per_acq <= 1.2,
+                )
+            )
+    if fair5 and s5:
+        checks.append(
+            (
+                f"fair, 5 nodes: handoffs/s >= 1.5x raw spin "
+                f"({fair5.handoffs_per_s:.0f} vs {s5.handoffs_per_s:.0f}), gap p50 "
+                f"< 1 ms ({fair5.gap_ms:.2f} ms)",
+                fair5.handoffs_per_s >= 1.5 * s5.handoffs_per_s and fair5.gap_ms < 1,
+            )
+        )
+    if fair1 and p1:
+        checks.append(
+            (
+                f"fair, 1 node: handoffs/s >= python-redis-lock "
+                f"({fair1.handoffs_per_s:.0f} vs {p1.handoffs_per_s:.0f})",
+                fair1.handoffs_per_s >= p1.handoffs_per_s,
+            )
+        )
+    for x in (fair5, fair1):
+        if x:
+            checks.append(
+                (
+                    f"fair {x.nodes} node(s): min share >= 0.9 ({x.min_share:.2f}), "
+                    "counter exact",
+                    x.min_share >= 0.9 and x.correct,
+                )
+            )
     for x in (r5, r1):
         if x:
             checks.append(
@@ -1008,7 +1072,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(table(uncontended, contended))
             print(extras_report(slow, memory))
             if uncontended and contended:
-                print("\nissue 5 targets (this run):")
+                print("\nissue 5 and 12 targets (this run):")
                 print(targets(uncontended, contended, slow))
             if args.json:
                 args.json.write_text(

@@ -313,6 +313,8 @@ class Demo:
     def run(self) -> int:
         args = self.args
         prepare(self.stage, args.work_ms)
+        if args.fair is not None:
+            self.stage.env["REDLOCK_FAIR"] = "1" if args.fair else "0"
         # The locked buy view writes per-phase timings here (shop/timings.py).
         self.stage.env["SHOP_TIMINGS_DIR"] = str(self.timings_dir)
         print(f"[1/6] Redis: {start_redis(self.stage, args.redis_nodes)}", flush=True)
@@ -337,8 +339,11 @@ class Demo:
         )
         unsafe = self.run_locust("unsafe", product_id)
         product_id = seed(self.stage.env, args.stock)
+        fair = self.stage.env.get("REDLOCK_FAIR", "1").strip().lower()
+        kind = "fair" if fair in {"1", "true", "yes", "on"} else "not fair"
         print(
-            f"[6/6] re-seeded {args.stock} units; Locust on POST buy/ (Redlock): "
+            f"[6/6] re-seeded {args.stock} units; Locust on POST buy/ (Redlock, "
+            f"{kind}): "
             f"{args.users} users, {args.run_time} s",
             flush=True,
         )
@@ -350,11 +355,13 @@ class Demo:
         print(format_table([unsafe, locked]))
         print()
         print(
-            "hold util: the product lock's holds (lock_released's held) over the "
-            "time from the first sale to the last; work util: the same from "
-            "acquire() returning to the release starting; hold p50: median hold; pay "
-            f"share: (orders - 1) x {self.work_ms():g} ms payment over the time "
-            "from the first order to the last, as Locust saw them"
+            "hold util: share of the time from the first sale to the last in "
+            "which the product lock was held (lock_released's held); work util: "
+            "the same from acquire() returning to the release starting; hold p50: "
+            f"median hold; pay share: (orders - 1) x {self.work_ms():g} ms payment "
+            "over the time from the first order to the last, as Locust saw them; "
+            "out of order: share of product-lock grants served before a request "
+            "that asked earlier"
         )
         if locked.get("phases_text"):
             print("where a sold hold of the product lock goes (means, ms):")
@@ -415,6 +422,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "work util",
         "hold p50 ms",
         "pay share",
+        "out of order",
     )
     lines = [header]
     for row in rows:
@@ -422,6 +430,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         util, hold = figures.get("utilization"), figures.get("median_hold_ms")
         work = figures.get("work_utilization")
         share = row.get("payment_share")
+        overtaken = figures.get("out_of_order")
         lines.append(
             (
                 f"{row.get('mode', '?')} ({row.get('endpoint', '?')}/)",
@@ -437,6 +446,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 "-" if work is None else f"{work:.2f}",
                 "-" if hold is None else f"{hold:.1f}",
                 "-" if share is None else f"{share:.2f}",
+                "-" if overtaken is None else f"{overtaken:.3f}",
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -491,6 +501,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="simulated payment time inside the critical section "
         "(default: SHOP_WORK_MS or the shop's own default)",
+    )
+    parser.add_argument(
+        "--fair",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="grant the product lock in arrival order (the shop's default: "
+        "REDLOCK_FAIR, else on); --no-fair for the barging lock",
     )
     parser.add_argument(
         "--stop-after-sold-out",

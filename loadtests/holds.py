@@ -3,17 +3,24 @@
 The app servers write one record per buy request when ``SHOP_TIMINGS_DIR`` is set
 (``shop/timings.py``). From them, for one product:
 
-- **utilization**: the product lock's holds (each ``[released - held, released]``,
-  ``held`` from the lock's ``lock_released`` signal) clipped to the interval from
-  the first sale to the last (a sale's time: its commit), summed, over that
-  interval. 1.0 means the lock was never free while the sale ran.
-  ``held`` runs from the start of the winning attempt (the library's
-  ``Lease.acquired``, which validity counts from), so a hold's first round trip
-  can overlap its predecessor's release, and the sum can pass 1.0.
+- **utilization**: the share of the interval from the first sale to the last (a
+  sale's time: its commit) in which the product lock was held: the union of the
+  holds (each ``[released - held, released]``, ``held`` from the lock's
+  ``lock_released`` signal) clipped to that interval, over its length. 1.0 means
+  the lock was never free while the sale ran. ``held`` runs from the start of
+  the winning attempt (the library's ``Lease.acquired``, which validity counts
+  from), so a hold's first round trip can overlap its predecessor's release: a
+  plain sum would count that overlap twice (it read 1.07 once); the union does
+  not.
 - **work utilization**: the same over the part of each hold between
   ``acquire()`` returning and the release starting (the holder's own work, the
   lock's fan-outs left out): at most 1.0.
 - **median hold**: of the holds that overlap that interval, in ms.
+- **out of order**: the share of product-lock grants served before a request
+  that had started waiting earlier (its ``checked`` mark, taken just before it
+  asks for the product lock) and was granted later. With ``fair=True`` the queue
+  orders by the ticket a waiter draws, a round trip after ``checked``: requests
+  arriving within that round trip of each other may be served either way.
 - **phases**: for the purchases that sold, the mean time between consecutive
   marks inside the hold, from the grant (``hold start``) to the release signal.
 
@@ -100,6 +107,7 @@ class HoldReport:
     phases_ms: list[tuple[str, float]] = field(default_factory=list)
     mean_hold_ms: float | None = None
     attempts_per_acquisition: float | None = None
+    out_of_order: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -114,6 +122,9 @@ class HoldReport:
             "median_hold_ms": _round(self.median_hold_ms),
             "mean_hold_ms": _round(self.mean_hold_ms),
             "attempts_per_acquisition": _round(self.attempts_per_acquisition),
+            "out_of_order": None
+            if self.out_of_order is None
+            else round(self.out_of_order, 3),
             "phases_ms": [[name, round(ms, 2)] for name, ms in self.phases_ms],
         }
 
@@ -122,8 +133,31 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def _overlap(interval: tuple[float, float], lo: float, hi: float) -> float:
-    return max(0.0, min(interval[1], hi) - max(interval[0], lo))
+def covered(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> float:
+    """Return the length of ``[lo, hi]`` covered by the union of ``intervals``."""
+    total, reach = 0.0, lo
+    for start, end in sorted(intervals):
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
+def out_of_order(records: Iterable[dict[str, Any]]) -> float | None:
+    """Return the share of grants served before an earlier arrival (see above)."""
+    grants = sorted(
+        (r["marks"]["product_acquired"], r["marks"]["checked"])
+        for r in records
+        if "product_acquired" in r.get("marks", {}) and "checked" in r["marks"]
+    )
+    if not grants:
+        return None
+    overtaking, earliest_later = 0, float("inf")
+    for _, arrived in reversed(grants):
+        overtaking += earliest_later < arrived
+        earliest_later = min(earliest_later, arrived)
+    return overtaking / len(grants)
 
 
 def phases(records: Iterable[dict[str, Any]]) -> list[tuple[str, float]]:
@@ -174,13 +208,13 @@ def summarize(records: list[dict[str, Any]]) -> HoldReport:
     if len(sale_times) < 2:
         return HoldReport(
             len(sale_times), len(intervals), 0.0, 0.0, None, None,
-            attempts_per_acquisition=per_acq,
+            attempts_per_acquisition=per_acq, out_of_order=out_of_order(records),
         )  # fmt: skip
     first, last = sale_times[0], sale_times[-1]
     window = last - first
-    busy = sum(_overlap(i, first, last) for i in intervals)
+    busy = covered(intervals, first, last)
     works = [i for i in map(work_interval, records) if i is not None]
-    work = sum(_overlap(i, first, last) for i in works)
+    work = covered(works, first, last)
     during = [end - start for start, end in intervals if end >= first and start <= last]
     median = 1000 * statistics.median(during) if during else None
     mean = 1000 * statistics.fmean(during) if during else None
@@ -195,6 +229,7 @@ def summarize(records: list[dict[str, Any]]) -> HoldReport:
         phases_ms=phases(records),
         mean_hold_ms=mean,
         attempts_per_acquisition=per_acq,
+        out_of_order=out_of_order(records),
     )
 
 

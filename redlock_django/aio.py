@@ -22,7 +22,9 @@ redis-py drops the connection of a cancelled read, so a late reply never reaches
 the next caller. A node that answers just after the quorum decided is not
 cancelled: its call goes on in the background (for at most NODE_TIMEOUT) and
 returns the connection to the pool once the owed reply was read, so a node a
-little slower than the others does not cost a new connection every time.
+little slower than the others does not cost a new connection every time. A call
+given up drops its connection with a reset (``sockets``): a command written into
+a partition never runs after the partition heals.
 Clean-up steps (``Fanout.critical``) are shielded: cancelling the caller does not
 leave a partial lock behind, the cancellation propagates once they end.
 """
@@ -49,6 +51,7 @@ from .protocol import (
     Step,
     grace,
 )
+from .sockets import reset_on_close
 from .wake import AsyncWatch, Hub
 
 __all__ = ["complete", "fanout", "run"]
@@ -77,7 +80,15 @@ async def _roundtrip(
     # more task and one more timer that a busy loop could serve late.
     writer.writelines(conn.pack_command(*command))
     marks[k] = asyncio.get_running_loop().time()
-    return await conn.read_response(timeout=math.inf)
+    sock = writer.get_extra_info("socket")
+    try:
+        return await conn.read_response(timeout=math.inf)
+    except asyncio.CancelledError:
+        # Given up: redis-py closes the connection, and what the kernel still
+        # holds of the command (a partition) must not reach the node later.
+        reset_on_close(sock)
+        writer.transport.abort()
+        raise
 
 
 async def _connection(pool: redis.asyncio.ConnectionPool) -> Any:
@@ -303,8 +314,8 @@ async def run(
                         await sleep(step.seconds)
                         continue
                     if watch is None:
-                        watch = AsyncWatch(step.wake.encode())
-                        hub.watch(watch)
+                        watch = AsyncWatch(step.wake.encode(), step.waiter)
+                        hub.watch(watch, step.since)
                     reply = await watch.wait(step.seconds)
                 elif step.critical:
                     reply = await complete(fanout(clients, step, timeout))

@@ -24,7 +24,7 @@ Errors:
 - E008 ``NODE_TIMEOUT`` is not positive, is not below ``TTL``, or leaves no validity.
 - E009 ``WAIT_TIMEOUT``, ``RETRY_DELAY``, ``RETRY_JITTER`` or ``MAX_HOLD`` is invalid.
 - E010 ``KEY_PREFIX`` is invalid.
-- E011 ``AUTO_EXTEND`` is not a bool.
+- E011 ``AUTO_EXTEND``, ``WAKE_UPS`` or ``FAIR`` is not a bool.
 - E012 (deploy) a node is a replica: it refuses writes, and a failover can
   promote it without the keys its master granted.
 - E013 (deploy) two nodes are one server (same ``run_id`` and database) reached
@@ -167,7 +167,7 @@ HINTS = {
     "redlock.E010": "Use a short name such as 'redlock' or 'myproject:lock': at most "
     f"{conf.MAX_KEY_PREFIX_LENGTH} characters, no whitespace, no control characters "
     "and none of * ? [ ] \\.",
-    "redlock.E011": "Set AUTO_EXTEND and WAKE_UPS to True or False.",
+    "redlock.E011": "Set AUTO_EXTEND, WAKE_UPS and FAIR to True or False.",
     "redlock.W001": "The quorum is N//2 + 1, so 2 nodes tolerate no failure and "
     "4 nodes tolerate no more failures than 3: use an odd count, 5 recommended.",
     "redlock.W002": "Databases of one server fail together: give every node its "

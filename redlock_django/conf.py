@@ -72,6 +72,8 @@ DEFAULTS: dict[str, object] = {
     "MAX_HOLD": 300.0,
     # Waiters subscribe to releases (wake.py) instead of only retrying on a timer.
     "WAKE_UPS": True,
+    # Waiters are served in arrival order, through a queue on the nodes.
+    "FAIR": False,
 }
 
 MAX_TTL = 86400.0
@@ -110,6 +112,7 @@ class RedlockSettings:
     auto_extend: bool
     max_hold: float | None
     wake_ups: bool = True
+    fair: bool = False
 
 
 class SafeSettingsReporterFilter(SafeExceptionReporterFilter):
@@ -172,6 +175,7 @@ def get_settings() -> RedlockSettings:
         auto_extend=bool(values["AUTO_EXTEND"]),
         max_hold=_optional_seconds(values["MAX_HOLD"]),
         wake_ups=bool(values["WAKE_UPS"]),
+        fair=bool(values["FAIR"]),
     )
 
 
@@ -311,7 +315,7 @@ def _validate(
     if reason:
         error("redlock.E010", f"REDLOCK['KEY_PREFIX'] {_show(prefix)} {reason}")
 
-    for name in ("AUTO_EXTEND", "WAKE_UPS"):
+    for name in ("AUTO_EXTEND", "WAKE_UPS", "FAIR"):
         if not isinstance(values[name], bool):
             error(
                 "redlock.E011",

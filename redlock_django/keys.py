@@ -20,6 +20,7 @@ __all__ = [
     "key_name",
     "lock_key",
     "lock_pattern",
+    "queue_keys",
 ]
 
 #: Longest resource name kept whole in keys; longer names are hashed (key_name).
@@ -69,6 +70,16 @@ def lock_key(resource: str, prefix: str) -> str:
 def fence_key(resource: str, prefix: str) -> str:
     """The key of the fencing counter for ``resource`` under ``prefix``."""
     return f"{prefix}:fence:{key_name(resource)}"
+
+
+def queue_keys(resource: str, prefix: str) -> tuple[str, str, str]:
+    """The keys of a fair lock's wait queue: entries, their expiries, the tickets."""
+    name = key_name(resource)
+    return (
+        f"{prefix}:queue:{name}",
+        f"{prefix}:waiters:{name}",
+        f"{prefix}:ticket:{name}",
+    )
 
 
 def lock_head(prefix: str) -> str:

@@ -80,7 +80,9 @@ class Redlock:
     overrides ``REDLOCK["NODES"]``; ``label`` is shown with the holder's host,
     pid and thread in the admin. Unset options come from
     ``settings.REDLOCK``. ``reentrant=False`` makes a second acquire by the same
-    owner wait like anyone else's.
+    owner wait like anyone else's. ``fair`` (``REDLOCK["FAIR"]``) grants the lock
+    to waiters in the order they queued, across processes and servers, and a
+    release wakes only the next of them (``docs/fairness.md``).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class Redlock:
         retry_jitter: float | None = None,
         node_timeout: float | None = None,
         drift_factor: float | None = None,
+        fair: bool | None = None,
     ) -> None:
         self.resource = check_resource(resource, MAX_NAME_LENGTH)
         check_seconds("ttl", ttl, allow_none=True)
@@ -106,6 +109,8 @@ class Redlock:
         check_seconds("node_timeout", node_timeout, allow_none=True)
         check_seconds("retry_delay", retry_delay, allow_none=True, allow_zero=True)
         check_seconds("retry_jitter", retry_jitter, allow_none=True, allow_zero=True)
+        if fair is not None and not isinstance(fair, bool):
+            raise ValueError(f"fair must be True or False, not {fair!r}")
         if drift_factor is not None and not 0 <= drift_factor < 0.5:
             raise ValueError(f"drift_factor must be in [0, 0.5), not {drift_factor!r}")
         if nodes is not None:
@@ -126,6 +131,7 @@ class Redlock:
         self.retry_jitter = retry_jitter
         self.node_timeout = node_timeout
         self.drift_factor = drift_factor
+        self.fair = fair
         self._config: Config | None = None
         self._config_from: RedlockSettings | None = None
 
@@ -149,6 +155,7 @@ class Redlock:
             "retry_jitter": self.retry_jitter,
             "auto_extend": self.auto_extend,
             "max_hold": self.max_hold,
+            "fair": self.fair,
         }
         config = resolve(settings, self.resource, self.fencing, given)
         self._config, self._config_from = config, settings
@@ -396,7 +403,14 @@ class Redlock:
         holds.sync_owner("locked")
         config = self._resolve()
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
-        return bool(sync.run(locked_flow(config.spec), pools, config.node_timeout))
+        flow = self._locked_flow(config)
+        return bool(sync.run(flow, pools, config.node_timeout))
+
+    def _locked_flow(self, config: Config) -> Any:
+        # A check the client's own lateness left undecided is made again while the
+        # configured wait lasts, as an acquisition's attempt would be.
+        wait = self._wait(config, True, None)
+        return locked_flow(config.spec, wait, _clock, _jitter)
 
     def _extend_flow(self, hold: Hold, ttl: float | None) -> Any:
         # A lease lost or run out raises LockLostError in the flow, before any
@@ -502,9 +516,8 @@ class Redlock:
         """Return whether anyone holds the lock; see ``locked()``."""
         config = self._resolve()
         clients = nodes.async_clients(config.nodes, config.node_timeout)
-        return bool(
-            await aio.run(locked_flow(config.spec), clients, config.node_timeout)
-        )
+        flow = self._locked_flow(config)
+        return bool(await aio.run(flow, clients, config.node_timeout))
 
     async def __aenter__(self) -> Redlock:
         await self._aacquire(raise_on_contention=True)

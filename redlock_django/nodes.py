@@ -135,6 +135,13 @@ def sync_pools(
     return pools
 
 
+#: Connections per node and event loop: one per call in flight, as many as the
+#: loop runs. redis-py 6 and later cap a pool at 100 by default, and a call refused
+#: by that cap (``MaxConnectionsError``) would read as the node failing: 101 tasks
+#: locking at once would see an outage. redis-py 5 had no cap either.
+ASYNC_MAX_CONNECTIONS = 2**31
+
+
 def async_clients(
     nodes: Sequence[NodeSpec], timeout: float
 ) -> tuple[redis.asyncio.Redis, ...]:
@@ -158,8 +165,11 @@ def async_clients(
                     context = async_class(**kwargs).ssl_context
                     context.get()  # built now, outside every node timeout
                     kwargs["shared_context"] = context
+                kwargs.pop("max_connections", None)
                 pool = redis.asyncio.ConnectionPool(
-                    connection_class=async_class, **kwargs
+                    connection_class=async_class,
+                    max_connections=ASYNC_MAX_CONNECTIONS,
+                    **kwargs,
                 )
                 made.append(redis.asyncio.Redis(connection_pool=pool))
             pools = per_loop[key] = tuple(made)

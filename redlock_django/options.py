@@ -15,7 +15,7 @@ from typing import Any
 
 from .address import NodeSpec
 from .conf import RedlockSettings
-from .keys import fence_key, lock_key
+from .keys import fence_key, lock_key, queue_keys
 from .protocol import LockSpec, drift, validity
 
 __all__ = ["Config", "resolve"]
@@ -66,6 +66,7 @@ def resolve(
         retry_delay=merged.retry_delay,
         retry_jitter=merged.retry_jitter,
         fence_key=fence_key(resource, prefix) if fencing else None,
+        queue=queue_keys(resource, prefix) if merged.fair else None,
     )
     return Config(
         spec=spec,

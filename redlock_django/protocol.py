@@ -39,9 +39,13 @@ from .exceptions import (
 )
 from .scripts import (
     ACQUIRE_SCRIPT,
+    DEQUEUE_SCRIPT,
+    ENQUEUE_SCRIPT,
     EXTEND_SCRIPT,
+    FAIR_ACQUIRE_SCRIPT,
     FENCE_SCRIPT,
     PTTL_SCRIPT,
+    QUEUED_RELEASE_SCRIPT,
     RELEASE_SCRIPT,
     Script,
 )
@@ -62,6 +66,9 @@ LATE = "client ran late"
 LATE_SLACK = 0.5
 #: Least time given to the other nodes once a quorum decided a fan-out.
 _GRACE = 0.001
+#: Seconds a fair lock's queue entry lives unless its waiter refreshes it (every
+#: third of it): a waiter that died or froze holds its place no longer than this.
+QUEUE_LIFE = 2.0
 
 
 def grace(elapsed: float) -> float:
@@ -117,6 +124,21 @@ def granted(value: Any) -> bool:
     return isinstance(value, int) and value >= 0
 
 
+def refused(value: Any) -> bool:
+    """An ACQUIRE reply that wrote no lock: held by another (-1), not our turn in a
+    fair queue (-2), or either with the ticket the refusal queued us with."""
+    if isinstance(value, list) and value:
+        value = value[0]
+    return isinstance(value, int) and value in (-1, -2)
+
+
+def queued_with(value: Any) -> int | None:
+    """The ticket a FAIR_ACQUIRE refusal queued the waiter with, if it did."""
+    if isinstance(value, list) and len(value) == 2 and _ticketed(value[1]):
+        return int(value[1])
+    return None
+
+
 def confirmed(value: Any) -> bool:
     """A FENCE or EXTEND reply that confirms our token still holds the key."""
     return isinstance(value, int) and value == 1
@@ -137,6 +159,11 @@ class Sleep:
 
     seconds: float
     wake: str | None = None
+    #: A fair lock's waiter id: a release that names another waiter passes it by.
+    waiter: str | None = None
+    #: Clock time of the attempt this wait follows: a release announced after it
+    #: and before the driver started listening still ends the wait at once.
+    since: float | None = None
 
 
 Step = Fanout | Sleep
@@ -157,6 +184,8 @@ class LockSpec:
     retry_jitter: float
     #: Key of the fencing counter; None when the lock takes no fencing token.
     fence_key: str | None = None
+    #: A fair lock's queue keys (entries, their expiries, tickets), else None.
+    queue: tuple[str, str, str] | None = None
 
     @property
     def node_count(self) -> int:
@@ -275,6 +304,15 @@ def release_id(token: str, attempt: int = 0) -> str:
     return f"{digest}.{attempt}" if attempt else digest
 
 
+def waiter_id(token: str) -> str:
+    """Name an acquisition in a fair lock's queue: a short hash, never the token.
+
+    ``token`` is the acquisition's base or any of its attempts' tokens.
+    """
+    base = token.rsplit(".", 1)[0] if "." in token else token
+    return hashlib.sha256(f"waiter:{base}".encode()).hexdigest()[:16]
+
+
 def _failed(spec: LockSpec, replies: Replies, nodes: Sequence[int]) -> dict[str, str]:
     return {
         spec.node_names[i]: reply.error
@@ -359,96 +397,230 @@ def acquire_flow(
     the quorum because of lateness is retried while the wait lasts; when the wait
     runs out on one, ``LockContentionError`` says the client ran late (HTTP 423,
     "try again"), since nothing showed that a majority is down.
+
+    A fair lock (``spec.queue``) that must wait takes a place in its queue (its
+    first refused attempt draws the ticket, else ``_take_place``), keeps it fresh
+    while it waits, and leaves it if it gives up.
     """
     every = tuple(range(spec.node_count))
-    keys = (spec.key,) if spec.fence_key is None else (spec.key, spec.fence_key)
+    fenced: tuple[str, ...] = (spec.key,)
+    if spec.fence_key is not None:
+        fenced = (spec.key, spec.fence_key)
+    script, keys = ACQUIRE_SCRIPT, fenced
+    place = None if spec.queue is None else _Place(waiter_id(token))
+    if place is not None and spec.queue is not None:
+        script, keys = FAIR_ACQUIRE_SCRIPT, (spec.key, *spec.queue, *fenced[1:])
     lease = ttl_ms(spec.ttl)
     deadline = None if wait is None else clock() + wait
-    if defer > 0 and wait != 0:
+    if defer > 0 and wait != 0 and place is None:
         # This owner just released the lock while others waited: let one of them
-        # take it before trying again, or a busy owner would starve the rest.
+        # take it before trying again, or a busy owner would starve the rest. (A
+        # fair lock's queue already refuses it while others wait ahead.)
         yield Sleep(defer if wait is None else min(defer, wait))
     attempt = wakeups = 0
-    while True:
-        attempt += 1
-        mine = attempt_token(token, attempt)
-        start = clock()
-        try:
-            replies: Replies = yield Fanout(
-                ACQUIRE_SCRIPT,
-                keys,
-                (mine, lease, meta),
-                need=spec.quorum,
-                wins=granted,
-            )
-        except BaseException:
-            yield _cleanup(spec, mine)
-            raise
-        won = tuple(i for i, r in zip(every, replies, strict=True) if granted(r.value))
-        failed = _failed(spec, replies, every)
-        left = validity(spec.ttl, clock() - start, spec.drift_factor)
-        fencing_token = None
-        if len(won) >= spec.quorum and left > 0 and spec.fence_key is not None:
-            fencing_token = max(replies[i].value for i in won) + 1
+    try:
+        while True:
+            attempt += 1
+            mine = attempt_token(token, attempt)
+            extra: tuple[Any, ...] = ()
+            queueing = False
+            if place is not None:
+                # The first attempt that may wait also takes a place if refused.
+                queueing = place.ticket is None and wait != 0
+                extra = (place.waiter, ttl_ms(QUEUE_LIFE) if queueing else 0)
+                if queueing:
+                    place.ticket = 0  # from here on, giving up must leave
+            start = clock()
             try:
-                confirms: Replies = yield Fanout(
-                    FENCE_SCRIPT,
+                replies: Replies = yield Fanout(
+                    script,
                     keys,
-                    (mine, fencing_token),
-                    nodes=won,
+                    (mine, lease, meta, *extra),
                     need=spec.quorum,
-                    wins=confirmed,
+                    wins=granted,
                 )
             except BaseException:
                 yield _cleanup(spec, mine)
                 raise
-            failed.update(_failed(spec, confirms, won))
             won = tuple(
-                i for i, r in zip(won, confirms, strict=True) if confirmed(r.value)
+                i for i, r in zip(every, replies, strict=True) if granted(r.value)
             )
+            failed = _failed(spec, replies, every)
             left = validity(spec.ttl, clock() - start, spec.drift_factor)
-        if len(won) >= spec.quorum and left > 0:
-            valid_until = start + spec.ttl - drift(spec.ttl, spec.drift_factor)
-            return Grant(mine, start, valid_until, won, fencing_token, attempt, wakeups)
+            fencing_token = None
+            if len(won) >= spec.quorum and left > 0 and spec.fence_key is not None:
+                fencing_token = max(replies[i].value for i in won) + 1
+                try:
+                    confirms: Replies = yield Fanout(
+                        FENCE_SCRIPT,
+                        fenced,
+                        (mine, fencing_token),
+                        nodes=won,
+                        need=spec.quorum,
+                        wins=confirmed,
+                    )
+                except BaseException:
+                    yield _cleanup(spec, mine)
+                    raise
+                failed.update(_failed(spec, confirms, won))
+                won = tuple(
+                    i for i, r in zip(won, confirms, strict=True) if confirmed(r.value)
+                )
+                left = validity(spec.ttl, clock() - start, spec.drift_factor)
+            if len(won) >= spec.quorum and left > 0:
+                valid_until = start + spec.ttl - drift(spec.ttl, spec.drift_factor)
+                return Grant(
+                    mine, start, valid_until, won, fencing_token, attempt, wakeups
+                )
 
-        # Failed attempt: unlock every node that may hold our key: those that
-        # granted, and those that did not answer (the write may have landed and
-        # only its reply been lost). A node that answered "held by another" (-1)
-        # wrote nothing, so under plain contention a failed try costs one round
-        # trip, not two.
-        suspect = tuple(
-            i for i, r in zip(every, replies, strict=True) if r.value != -1 or not r.ok
-        )
-        if suspect:
-            yield _cleanup(spec, mine, suspect)
-        most = spec.node_count - spec.quorum
-        down = sum(1 for why in failed.values() if not why.startswith(LATE))
-        if down > most:
-            raise _error(
-                QuorumUnavailableError,
-                spec,
-                "too few nodes answered",
-                len(won),
-                failed,
+            # Failed attempt: unlock every node that may hold our key: those that
+            # granted, and those that did not answer (the write may have landed and
+            # only its reply been lost). A node that answered "held by another" (-1)
+            # or "not your turn" (-2, a fair lock) wrote nothing, so under plain
+            # contention a failed try costs one round trip, not two.
+            suspect = tuple(
+                i
+                for i, r in zip(every, replies, strict=True)
+                if not r.ok or not refused(r.value)
             )
-        now = clock()
-        if deadline is not None and now >= deadline:
-            if len(won) >= spec.quorum:
-                why = f"nodes answered too slowly for a {spec.ttl:g}s lease"
-                raise _error(QuorumUnavailableError, spec, why, len(won), failed)
-            if len(failed) > most:
-                why = "the client ran late for the nodes' replies (a busy process)"
-            elif wait:
-                why = "held by another owner"
+            if suspect:
+                yield _cleanup(spec, mine, suspect)
+            if queueing and place is not None:
+                tickets = [t for t in map(queued_with, (r.value for r in replies)) if t]
+                yield from _settle_place(spec, place, tickets, clock)
+            most = spec.node_count - spec.quorum
+            down = sum(1 for why in failed.values() if not why.startswith(LATE))
+            if down > most:
+                raise _error(
+                    QuorumUnavailableError,
+                    spec,
+                    "too few nodes answered",
+                    len(won),
+                    failed,
+                )
+            now = clock()
+            if deadline is not None and now >= deadline:
+                if len(won) >= spec.quorum:
+                    why = f"nodes answered too slowly for a {spec.ttl:g}s lease"
+                    raise _error(QuorumUnavailableError, spec, why, len(won), failed)
+                if len(failed) > most:
+                    why = "the client ran late for the nodes' replies (a busy process)"
+                elif wait:
+                    why = "held by another owner"
+                else:
+                    why = "held by another owner, no wait"
+                raise _error(LockContentionError, spec, why, len(won), failed)
+            delay = retry_delay(spec, rand)
+            if deadline is not None:
+                delay = min(delay, deadline - now)
+            if place is None:
+                # A driver answers a wait with True when a release ended it early.
+                woken = yield Sleep(delay, wake=spec.key)
             else:
-                why = "held by another owner, no wait"
-            raise _error(LockContentionError, spec, why, len(won), failed)
-        delay = retry_delay(spec, rand)
-        if deadline is not None:
-            delay = min(delay, deadline - now)
-        # A driver answers a wait with True when a release ended it early.
-        if (yield Sleep(delay, wake=spec.key)) is True:
-            wakeups += 1
+                woken = yield from _wait_in_queue(
+                    spec, place, now + delay, start, clock
+                )
+            if woken is True:
+                wakeups += 1
+    except GeneratorExit:
+        raise
+    except BaseException:
+        if place is not None and place.ticket is not None:
+            yield _leave(spec, place)
+        raise
+
+
+@dataclass
+class _Place:
+    """A waiter's place in a fair lock's queue."""
+
+    waiter: str
+    #: The ticket it holds on a quorum; None before it asked for one. 0 while a
+    #: draw failed: it asks again after its next attempt.
+    ticket: int | None = None
+    #: Clock time its entry must be refreshed by.
+    refresh_at: float = 0.0
+
+
+def _ticketed(value: Any) -> bool:
+    """An ENQUEUE reply: the ticket the entry was written with."""
+    return isinstance(value, int) and value > 0
+
+
+def _enqueue(spec: LockSpec, place: _Place, ticket: int) -> Fanout:
+    assert spec.queue is not None
+    return Fanout(
+        ENQUEUE_SCRIPT,
+        spec.queue,
+        (place.waiter, ticket, ttl_ms(QUEUE_LIFE)),
+        need=spec.quorum,
+        wins=_ticketed,
+    )
+
+
+def _take_place(
+    spec: LockSpec, place: _Place, clock: Clock
+) -> Generator[Step, Any, None]:
+    """Draw a ticket and queue with it on every node.
+
+    Each node in a majority draws one (INCR) and queues the waiter with it; the
+    waiter takes the highest and, unless they all agree, writes it on every node,
+    raising their counters to it (one round trip saved in the common case, where
+    every node saw the same draws). Any later draw meets
+    one of those nodes, so a waiter that queued before another started comes
+    first on every node where both are; equal tickets are ordered by waiter id.
+    """
+    place.ticket = 0
+    drawn: Replies = yield _enqueue(spec, place, 0)
+    tickets = [r.value for r in drawn if _ticketed(r.value)]
+    yield from _settle_place(spec, place, tickets, clock)
+
+
+def _settle_place(
+    spec: LockSpec, place: _Place, tickets: list[int], clock: Clock
+) -> Generator[Step, Any, None]:
+    """Keep the highest of the ``tickets`` a majority drew (see ``_take_place``)."""
+    if len(tickets) < spec.quorum:
+        return
+    top = max(tickets)
+    if min(tickets) < top:
+        # The nodes disagree (draws raced): raise the lower ones to the highest.
+        # When a majority drew the same ticket, each of them already holds the
+        # entry with it and a counter at it: the waiter has arrived.
+        written: Replies = yield _enqueue(spec, place, top)
+        if sum(1 for r in written if _ticketed(r.value)) < spec.quorum:
+            return
+    place.ticket = top
+    place.refresh_at = clock() + QUEUE_LIFE / 3
+
+
+def _leave(spec: LockSpec, place: _Place) -> Fanout:
+    """Take a waiter that gives up out of the queue on every node, at once."""
+    assert spec.queue is not None
+    return Fanout(DEQUEUE_SCRIPT, spec.queue[:2], (place.waiter,), critical=True)
+
+
+def _wait_in_queue(
+    spec: LockSpec, place: _Place, try_at: float, since: float, clock: Clock
+) -> Generator[Step, Any, bool]:
+    """Queue (if not yet), then wait until ``try_at`` or a release that names us.
+
+    The entry is refreshed whenever it is due during the wait. Returns whether a
+    wake-up ended the wait.
+    """
+    if not place.ticket:
+        yield from _take_place(spec, place, clock)
+    while True:
+        nap = try_at - clock()
+        if place.ticket:
+            nap = min(nap, place.refresh_at - clock())
+        if (yield Sleep(max(0.0, nap), spec.key, place.waiter, since)) is True:
+            return True
+        if place.ticket and clock() >= place.refresh_at:
+            yield _enqueue(spec, place, place.ticket)
+            place.refresh_at = clock() + QUEUE_LIFE / 3
+        if clock() >= try_at:
+            return False
 
 
 def extend_flow(
@@ -515,10 +687,17 @@ def release_flow(
     if lease is not None and clock is None:
         raise ValueError("release_flow needs a clock to judge a lease")
     every = tuple(range(spec.node_count))
+    keys: tuple[str, ...] = (spec.key,)
+    args: tuple[str, ...] = (token, release_id(token))
+    script = RELEASE_SCRIPT
+    if spec.queue is not None:
+        # Also takes our entry out of the queue, and names the next waiter.
+        script, keys = QUEUED_RELEASE_SCRIPT, (spec.key, *spec.queue[:2])
+        args = (*args, waiter_id(token))
     replies: Replies = yield Fanout(
-        RELEASE_SCRIPT,
-        (spec.key,),
-        (token, release_id(token)),
+        script,
+        keys,
+        args,
         critical=True,
         need=spec.quorum,
         wins=released,
@@ -561,22 +740,41 @@ def released_on_quorum(spec: LockSpec, outcome: Release) -> bool:
     return outcome.released >= spec.quorum
 
 
-def locked_flow(spec: LockSpec) -> Generator[Step, Any, bool]:
-    """Return whether anyone holds the lock on a quorum of nodes."""
+def locked_flow(
+    spec: LockSpec,
+    wait: float | None = 0.0,
+    clock: Clock | None = None,
+    rand: Random | None = None,
+) -> Generator[Step, Any, bool]:
+    """Return whether anyone holds the lock on a quorum of nodes.
+
+    Too few answers to decide raise ``QuorumUnavailableError``. When the nodes not
+    heard from were only ``LATE`` (the client itself was late: a busy loop), the
+    check is made again after a retry delay while ``wait`` lasts (None: without
+    limit), as an acquisition would be.
+    """
     every = tuple(range(spec.node_count))
-    replies: Replies = yield Fanout(PTTL_SCRIPT, (spec.key,), ())
-    held = sum(1 for r in replies if r.ok and r.value > 0)
-    failed = _failed(spec, replies, every)
-    if held < spec.quorum and len(failed) > spec.node_count - spec.quorum:
-        raise _error(
-            QuorumUnavailableError,
-            spec,
-            "too few nodes answered",
-            held,
-            failed,
-            "check",
-        )
-    return held >= spec.quorum
+    most = spec.node_count - spec.quorum
+    deadline = None if wait is None or clock is None else clock() + wait
+    while True:
+        replies: Replies = yield Fanout(PTTL_SCRIPT, (spec.key,), ())
+        held = sum(1 for r in replies if r.ok and r.value > 0)
+        failed = _failed(spec, replies, every)
+        if held >= spec.quorum or len(failed) <= most:
+            return held >= spec.quorum
+        down = sum(1 for why in failed.values() if not why.startswith(LATE))
+        if down > most:
+            why = "too few nodes answered"
+            break
+        if (
+            clock is None
+            or rand is None
+            or (deadline is not None and clock() >= deadline)
+        ):
+            why = "the client ran late for the nodes' replies (a busy process)"
+            break
+        yield Sleep(retry_delay(spec, rand))
+    raise _error(QuorumUnavailableError, spec, why, held, failed, "check")
 
 
 def watchdog_delay(lease: Lease, ttl: float, now: float) -> float:

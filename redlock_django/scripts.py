@@ -18,10 +18,14 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "ACQUIRE_SCRIPT",
+    "DEQUEUE_SCRIPT",
+    "ENQUEUE_SCRIPT",
     "EXTEND_SCRIPT",
+    "FAIR_ACQUIRE_SCRIPT",
     "FENCE_SCRIPT",
     "FORCE_RELEASE_SCRIPT",
     "PTTL_SCRIPT",
+    "QUEUED_RELEASE_SCRIPT",
     "RELEASE_SCRIPT",
     "Script",
 ]
@@ -55,6 +59,38 @@ if type(owner) == 'table' then
 end
 """
 
+
+# The fencing counter read that ACQUIRE and FAIR_ACQUIRE start with: KEYS[n] is the
+# counter (absent: no fencing, 0); one that is not an integer is an error reply.
+def _read_fence(n: int) -> str:
+    return f"""
+local fence = 0
+if KEYS[{n}] then
+  fence = tonumber(redis.call('get', KEYS[{n}]) or '0')
+  if not fence then
+    return redis.error_reply('fencing counter ' .. KEYS[{n}] .. ' is not a number')
+  end
+end
+"""
+
+
+# Refuses (-1) a key held by any token but ours or an earlier attempt of ours.
+_TAKE_OVER = """
+if owner and owner ~= ARGV[1] then
+  local base, attempt = string.match(ARGV[1], '^(.*)%.(%d+)$')
+  local held, earlier = string.match(owner, '^(.*)%.(%d+)$')
+  if not (base and held == base and tonumber(earlier) < tonumber(attempt)) then
+    return -1
+  end
+end
+"""
+# Writes the lock and returns the fencing counter read before.
+_GRANT = """
+redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])
+redis.call('pexpire', KEYS[1], ARGV[2])
+return fence
+"""
+
 # KEYS[1] lock key; KEYS[2] (optional) fencing counter key
 # ARGV[1] token of this attempt, "<base>.<attempt>" (attempt k of one acquisition
 # writes base.k); ARGV[2] lease in ms; ARGV[3] holder metadata (JSON)
@@ -68,27 +104,159 @@ end
 # error reply, checked before anything is written, so that node just votes no.
 ACQUIRE_SCRIPT = Script(
     "acquire",
+    _read_fence(2) + _READ_OWNER + _TAKE_OVER + _GRANT,
+)
+
+# The wait queue of a fair lock (fairness.py), on each node: ``queue`` is a sorted
+# set of waiter ids by ticket (ties by id, as ZSETs order them), ``waiters`` the same
+# ids by the node's own time (ms) at which the entry expires unless refreshed, and
+# ``ticket`` the counter tickets are drawn from. Scripts that read the head first
+# drop expired entries (at most 16 per call, so a script stays short):
+# a waiter that died stops refreshing and loses its place within its entry's life.
+_NOW_MS = """
+local clock = redis.call('time')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+"""
+# Needs ``now`` (``_NOW_MS``) and KEYS[q] and KEYS[w] named by the locals q and w;
+# leaves ``head`` (or false).
+_LIVE_HEAD_AT_NOW = """
+local head = false
+for _ = 1, 16 do
+  head = redis.call('zrange', KEYS[q], 0, 0)[1] or false
+  if not head then break end
+  local until_ms = tonumber(redis.call('zscore', KEYS[w], head) or '0')
+  if until_ms > now then break end
+  redis.call('zrem', KEYS[q], head)
+  redis.call('zrem', KEYS[w], head)
+  head = false
+end
+"""
+_LIVE_HEAD = _NOW_MS + _LIVE_HEAD_AT_NOW
+
+# KEYS[1] queue; KEYS[2] waiters; KEYS[3] ticket counter
+# ARGV[1] waiter id; ARGV[2] ticket (0: draw one here); ARGV[3] entry life in ms
+# returns the ticket the entry was written with. Drawing INCRs the counter; writing
+# a given ticket raises the counter to at least it, so a later draw on this node
+# comes after it. Expired entries are dropped first; the three keys expire a while
+# after the last waiter stopped refreshing.
+ENQUEUE_SCRIPT = Script(
+    "enqueue",
+    _NOW_MS
+    + """
+local dead = redis.call('zrangebyscore', KEYS[2], '-inf', now, 'LIMIT', 0, 16)
+if #dead > 0 then
+  redis.call('zrem', KEYS[1], unpack(dead))
+  redis.call('zrem', KEYS[2], unpack(dead))
+end
+local ticket = tonumber(ARGV[2])
+if ticket == 0 then
+  ticket = redis.call('incr', KEYS[3])
+elseif tonumber(redis.call('get', KEYS[3]) or '0') < ticket then
+  redis.call('set', KEYS[3], ticket)
+end
+local life = tonumber(ARGV[3])
+redis.call('zadd', KEYS[1], ticket, ARGV[1])
+redis.call('zadd', KEYS[2], now + life, ARGV[1])
+for i = 1, 3 do
+  redis.call('pexpire', KEYS[i], life * 4)
+end
+return ticket
+""",
+)
+
+# KEYS[1] queue; KEYS[2] waiters
+# ARGV[1] waiter id
+# returns 1 when the entry was there. A waiter that gives up leaves at once, so a
+# fair queue does not wait out its entry.
+DEQUEUE_SCRIPT = Script(
+    "dequeue",
     """
-local fence = 0
-if KEYS[2] then
-  fence = tonumber(redis.call('get', KEYS[2]) or '0')
-  if not fence then
-    return redis.error_reply('fencing counter ' .. KEYS[2] .. ' is not a number')
+redis.call('zrem', KEYS[2], ARGV[1])
+return redis.call('zrem', KEYS[1], ARGV[1])
+""",
+)
+
+# As ACQUIRE, for a fair lock: KEYS[1] lock key; KEYS[2] queue; KEYS[3] waiters;
+# KEYS[4] ticket counter; KEYS[5] (optional) fencing counter; ARGV[1-3] as ACQUIRE;
+# ARGV[4] waiter id; ARGV[5] entry life in ms, or 0.
+# A free key is granted only when the queue's first live entry is ARGV[4] or the
+# queue is empty; otherwise it returns -2 and writes no lock (not our turn). A
+# refusal (-1 or -2) with ARGV[5] > 0 also queues the waiter as ENQUEUE draws (or
+# finds its entry, a resent command) and returns {-1 or -2, its ticket}: a waiter's
+# first attempt takes its place in the same round trip.
+FAIR_ACQUIRE_SCRIPT = Script(
+    "fair_acquire",
+    _read_fence(5)
+    + _NOW_MS
+    + """
+local function refuse(code)
+  local life = tonumber(ARGV[5])
+  if life <= 0 then
+    return code
   end
+  local ticket = tonumber(redis.call('zscore', KEYS[2], ARGV[4]) or '0')
+  if ticket == 0 then
+    ticket = redis.call('incr', KEYS[4])
+    redis.call('zadd', KEYS[2], ticket, ARGV[4])
+  end
+  redis.call('zadd', KEYS[3], now + life, ARGV[4])
+  for i = 2, 4 do
+    redis.call('pexpire', KEYS[i], life * 4)
+  end
+  return {code, ticket}
 end
 """
     + _READ_OWNER
+    + _TAKE_OVER.replace("return -1", "return refuse(-1)")
     + """
-if owner and owner ~= ARGV[1] then
-  local base, attempt = string.match(ARGV[1], '^(.*)%.(%d+)$')
-  local held, earlier = string.match(owner, '^(.*)%.(%d+)$')
-  if not (base and held == base and tonumber(earlier) < tonumber(attempt)) then
-    return -1
-  end
+local q, w = 2, 3
+"""
+    + _LIVE_HEAD_AT_NOW
+    + """
+if head and head ~= ARGV[4] then
+  return refuse(-2)
 end
-redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])
-redis.call('pexpire', KEYS[1], ARGV[2])
-return fence
+"""
+    + _GRANT,
+)
+
+# Deletes KEYS[1] when our token (ARGV[1]) holds it, leaving ``deleted``; else
+# returns 0, touching nothing.
+_DELETE_OURS = (
+    _READ_OWNER
+    + """
+if owner ~= ARGV[1] then
+  return 0
+end
+local deleted = redis.call('del', KEYS[1])"""
+)
+
+# As RELEASE, for a lock with a wait queue: KEYS[1] lock key; KEYS[2] queue;
+# KEYS[3] waiters; ARGV[1] token; ARGV[2] release id; ARGV[3] the holder's waiter id.
+# The holder's own entry leaves the queue whatever the key holds; when our token
+# held the key, it is deleted and the release is published as "<release id>
+# <first live waiter>" (or the id alone, nobody waiting): only that waiter is woken.
+QUEUED_RELEASE_SCRIPT = Script(
+    "queued_release",
+    """
+redis.call('zrem', KEYS[2], ARGV[3])
+redis.call('zrem', KEYS[3], ARGV[3])
+"""
+    + _DELETE_OURS
+    + """
+local q, w = 2, 3
+"""
+    + _LIVE_HEAD
+    + """
+local message = ARGV[2]
+if head then
+  message = message .. ' ' .. head
+end
+local heard = redis.pcall('publish', KEYS[1], message)
+if type(heard) == 'number' then
+  return deleted + heard
+end
+return deleted
 """,
 )
 
@@ -102,12 +270,8 @@ RELEASE_SCRIPT = Script(
     "release",
     """
 """
-    + _READ_OWNER
+    + _DELETE_OURS
     + """
-if owner ~= ARGV[1] then
-  return 0
-end
-local deleted = redis.call('del', KEYS[1])
 if ARGV[2] then
   local heard = redis.pcall('publish', KEYS[1], ARGV[2])
   if type(heard) == 'number' then

@@ -20,7 +20,10 @@ timed out) is kept aside owing that one reply, not dropped: before it is reused
 the owed reply is read and thrown away, and a connection whose reply does not come
 within NODE_TIMEOUT is dropped. A late reply can then never reach the next caller,
 and a node a little slower than the others does not cost a new connection (a TLS
-handshake) on every operation.
+handshake) on every operation. A connection given up on is dropped with a reset
+(``sockets``), and one whose command the node's host has not even acknowledged is
+dropped at once, not kept: a command written into a partition never runs after
+the partition heals.
 
 How bytes move on one connection is ``wire.py``'s: the fast path reads redis-py
 internals (the socket, to poll() every node at once; the hiredis reader), the
@@ -58,7 +61,7 @@ from .protocol import (
 )
 from .wake import Hub, SyncWatch
 from .wire import MIN_WAIT as _MIN_WAIT
-from .wire import PORTABLE, SLICE, path_of, wait_one
+from .wire import PORTABLE, SLICE, abort, in_flight, path_of, wait_one
 from .wire import arrived as _arrived
 from .wire import pack as _pack
 from .wire import read as _read
@@ -133,7 +136,7 @@ def _owe(idle: _Idle, conn: Any, until: float) -> None:
     if len(idle.owed) < MAX_IDLE:
         idle.owed.append((conn, until))
     else:
-        conn.disconnect()
+        abort(conn)
 
 
 def _settle(idle: _Idle) -> None:
@@ -154,14 +157,14 @@ def _settle(idle: _Idle) -> None:
             if now < until:
                 owed.append((conn, until))
             else:
-                conn.disconnect()
+                abort(conn)
             continue
         try:
             _read_response(conn, _MIN_WAIT)
         except redis.ResponseError:
             pass  # an error reply (NOSCRIPT, ...) is the owed reply too
         except Exception:
-            conn.disconnect()  # read_response() dropped it already, on most errors
+            abort(conn)  # read_response() dropped it already, on most errors
             continue
         _give(idle, conn)
 
@@ -255,7 +258,7 @@ class _Round:
             try:
                 _send(conn, self.packed)
             except Exception as exc:
-                conn.disconnect()
+                abort(conn)
                 if not reused:
                     _stalled(idle, exc)
                     replies[i] = NodeReply(error=describe(exc))
@@ -287,7 +290,7 @@ class _Round:
         try:
             conn.send_packed_command(self.packed, check_health=False)
         except Exception as exc:
-            conn.disconnect()
+            abort(conn)
             if stalled:
                 _stalled(call.idle, exc)
             self.replies[call.index] = NodeReply(error=describe(exc))
@@ -393,12 +396,12 @@ class _Round:
             except Exception as exc:
                 # The connection broke between the NOSCRIPT and the resend: this
                 # node failed, like any other.
-                conn.disconnect()
+                abort(conn)
                 replies[i] = NodeReply(error=describe(exc))
                 return False
             call.reused, call.resent = False, True
         except redis.ConnectionError as exc:
-            conn.disconnect()
+            abort(conn)
             if not call.reused or time.monotonic() >= self.deadline:
                 replies[i] = NodeReply(error=describe(exc))
                 return False
@@ -408,7 +411,7 @@ class _Round:
             if not self._again(call, stalled=False):
                 return False
         except Exception as exc:
-            conn.disconnect()
+            abort(conn)
             late = final and isinstance(exc, redis.TimeoutError)
             replies[i] = NodeReply(error=self.why if late else describe(exc))
             return False
@@ -436,10 +439,15 @@ class _Round:
         until = time.monotonic() + self.timeout
         for call in self.waiting.values():
             self.replies.setdefault(call.index, NodeReply(error=why))
-            if finished:
+            # A command the node's host never acknowledged may still be in the
+            # kernel's queue, retransmitted: reset the connection now, so that it
+            # cannot run after this attempt's clean-up (a partition that heals).
+            # A slow node's acknowledgement may be delayed: it keeps its connection.
+            owes = finished and (why == UNAWAITED or not in_flight(call.conn))
+            if owes:
                 _owe(call.idle, call.conn, until)  # one reply still due on it
             else:
-                call.conn.disconnect()
+                abort(call.conn)
 
 
 def fanout(
@@ -491,8 +499,8 @@ def run(
                     sleep(step.seconds)
                     continue
                 if watch is None:
-                    watch = SyncWatch(step.wake.encode())
-                    hub.watch(watch)
+                    watch = SyncWatch(step.wake.encode(), step.waiter)
+                    hub.watch(watch, step.since)
                 reply = watch.wait(step.seconds)
             except BaseException as exc:
                 pending = exc

@@ -18,7 +18,6 @@ when its node has nothing left to watch.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
@@ -60,10 +59,11 @@ HANDOFF_GRACE = 0.002
 
 
 class _Watch:
-    """One waiter's interest in a channel."""
+    """One waiter's interest in a channel (``waiter``: its id in a fair queue)."""
 
-    def __init__(self, channel: bytes) -> None:
+    def __init__(self, channel: bytes, waiter: str | None = None) -> None:
         self.channel = channel
+        self.waiter = waiter.encode() if waiter else None
         #: Set until a node confirms the subscription: the waiter's last attempt
         #: ran before it could hear a release, so the confirmation wakes it once.
         self.fresh = True
@@ -75,8 +75,8 @@ class _Watch:
 class SyncWatch(_Watch):
     """A blocking waiter: ``wait()`` returns early when the lock may be free."""
 
-    def __init__(self, channel: bytes) -> None:
-        super().__init__(channel)
+    def __init__(self, channel: bytes, waiter: str | None = None) -> None:
+        super().__init__(channel, waiter)
         self._event = threading.Event()
 
     def fire(self) -> None:
@@ -94,8 +94,8 @@ class SyncWatch(_Watch):
 class AsyncWatch(_Watch):
     """An asyncio waiter, woken from a reader thread through its event loop."""
 
-    def __init__(self, channel: bytes) -> None:
-        super().__init__(channel)
+    def __init__(self, channel: bytes, waiter: str | None = None) -> None:
+        super().__init__(channel, waiter)
         self._loop = asyncio.get_running_loop()
         self._event = asyncio.Event()
 
@@ -192,7 +192,7 @@ class _Reader(threading.Thread):
             return
         kind, channel = reply[0], reply[1]
         if kind == b"message":
-            self.hub.deliver(channel, reply[2])
+            self.hub.deliver(channel, reply[2], self.index)
         elif kind == b"subscribe":
             self.subscribed.add(channel)
             self.hub.confirmed(channel)
@@ -230,7 +230,12 @@ class Hub:
         self._watches: dict[bytes, set[_Watch]] = {}
         #: channel -> monotonic time its last waiter left
         self._idle: dict[bytes, float] = {}
-        self._seen: dict[bytes, collections.deque[bytes]] = {}
+        #: channel -> release id -> per waiter named (b"" for none), the nodes
+        #: that reported it; None once the release woke its waiter(s)
+        self._seen: dict[bytes, dict[bytes, dict[bytes, set[int]] | None]] = {}
+        #: channel -> (monotonic time, waiter named) of its last release that woke
+        self._last: dict[bytes, tuple[float, bytes]] = {}
+        self._quorum = len(self.pools) // 2 + 1
         self._readers: list[_Reader | None] = [None] * len(self.pools)
         self._closed = False
 
@@ -239,16 +244,26 @@ class Hub:
         with self._lock:
             self._closed = True
 
-    def watch(self, watch: _Watch) -> _Watch:
-        """Start delivering wake-ups for ``watch.channel`` to ``watch``."""
+    def watch(self, watch: _Watch, since: float | None = None) -> _Watch:
+        """Start delivering wake-ups for ``watch.channel`` to ``watch``.
+
+        A release for it heard after monotonic time ``since`` wakes it at once:
+        the waiter's last attempt could not see it, and it was not yet listening.
+        """
         global _watching
         channel = watch.channel
+        missed = False
         with self._lock:
             with _watching_lock:
                 _watching += 1
             self._watches.setdefault(channel, set()).add(watch)
             self._idle.pop(channel, None)
+            last = self._last.get(channel)
+            if since is not None and last is not None and last[0] > since:
+                missed = last[1] in (b"", watch.waiter)
             if self._closed:
+                if missed:
+                    watch.fire()
                 return watch
             if any(r is not None and channel in r.subscribed for r in self._readers):
                 watch.fresh = False
@@ -262,6 +277,8 @@ class Hub:
                 reader.ask([channel])
         for reader in started:
             reader.start()
+        if missed:
+            watch.fire()
         return watch
 
     def idle(self) -> bool:
@@ -307,6 +324,7 @@ class Hub:
                 if now - since >= LINGER:
                     del self._idle[channel]
                     self._seen.pop(channel, None)
+                    self._last.pop(channel, None)
             return set(self._watches) | set(self._idle)
 
     def keep(self, reader: _Reader) -> bool:
@@ -328,14 +346,45 @@ class Hub:
         for watch in fresh:
             watch.fire()
 
-    def deliver(self, channel: bytes, release_id: bytes) -> None:
-        """A release on some node: wake every waiter on ``channel`` once."""
+    def deliver(self, channel: bytes, message: bytes, index: int) -> None:
+        """Node ``index`` published ``message``: wake waiters once per release.
+
+        The message is ``<release id>`` or, from a fair lock, ``<release id>
+        <waiter>``: then only that waiter is woken (the others keep sleeping).
+        Once, when a majority of the nodes reported it (or every node subscribed,
+        if fewer are): a release reaches the nodes one by one, and a waiter woken
+        by the first message would try while most nodes still hold the key, fail,
+        and then sleep out its retry delay, deaf to the release's later messages.
+        Nodes that name different waiters (a queue entry missing on some) wake
+        every waiter once all subscribed nodes reported.
+        """
+        release, _, named = message.partition(b" ")
+        subscribed = sum(
+            1 for r in self._readers if r is not None and channel in r.subscribed
+        )
+        need = max(1, min(self._quorum, subscribed))
         with self._lock:
-            seen = self._seen.setdefault(channel, collections.deque(maxlen=SEEN))
-            if release_id in seen:
+            seen = self._seen.setdefault(channel, {})
+            if release not in seen:
+                if len(seen) >= SEEN:
+                    del seen[next(iter(seen))]
+                seen[release] = {}
+            reports = seen[release]
+            if reports is None:
                 return
-            seen.append(release_id)
-            watches = list(self._watches.get(channel, ()))
+            reports.setdefault(named, set()).add(index)
+            if len(reports[named]) < need:
+                everyone = set().union(*reports.values())
+                if len(everyone) < max(need, subscribed):
+                    return
+                named = b""
+            seen[release] = None
+            self._last[channel] = (time.monotonic(), named)
+            watches = [
+                w
+                for w in self._watches.get(channel, ())
+                if not named or w.waiter == named
+            ]
         for watch in watches:
             watch.fire()
 

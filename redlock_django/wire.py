@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 
 import redis
 
+from . import sockets
+
 try:
     import hiredis as _hiredis
 except ImportError:  # pragma: no cover - redis-py without hiredis
@@ -52,7 +54,9 @@ __all__ = [
     "PORTABLE",
     "SLICE",
     "Path",
+    "abort",
     "arrived",
+    "in_flight",
     "pack",
     "path_of",
     "read",
@@ -202,10 +206,22 @@ def send(conn: Any, packed: list[bytes]) -> None:
     try:
         sock.sendall(packed[0])
     except OSError as exc:
-        conn.disconnect()
+        abort(conn)
         if isinstance(exc, TimeoutError):
             raise redis.TimeoutError("Timeout writing to socket") from None
         raise redis.ConnectionError(f"Error while writing: {exc}") from None
+
+
+def abort(conn: Any) -> None:
+    """Drop a connection whose command may still be on its way: with a reset, so
+    that the kernel never delivers it later (``sockets``)."""
+    sockets.reset_on_close(getattr(conn, "_sock", None))
+    conn.disconnect()
+
+
+def in_flight(conn: Any) -> bool:
+    """Whether the node's host has not yet acknowledged what was written on ``conn``."""
+    return sockets.unacknowledged(getattr(conn, "_sock", None))
 
 
 def read(conn: Any, timeout: float, direct: bool) -> Any:

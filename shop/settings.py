@@ -94,6 +94,10 @@ REDLOCK = {
     # A product lock's lease, and how long a buyer waits for it before a 423.
     "TTL": float(os.environ.get("REDLOCK_TTL", "5")),
     "WAIT_TIMEOUT": float(os.environ.get("REDLOCK_WAIT_TIMEOUT", "2")),
+    # First come, first served: buyers waiting for a product are granted it in
+    # the order they asked, and a release wakes only the next one
+    # (docs/fairness.md). REDLOCK_FAIR=0 for the barging lock, to compare.
+    "FAIR": _env_bool("REDLOCK_FAIR", True),
 }
 # REDLOCK_NODES may carry passwords: Django's own filter would print them in error
 # reports (settings are hidden by name only); this one masks URL passwords.

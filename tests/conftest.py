@@ -17,6 +17,7 @@ loaded with ``-p`` in pyproject), under the names this suite has always used:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -42,6 +43,20 @@ def nodes(redis_nodes: NodeSet, redlock_nodes: NodeSet) -> NodeSet:
     finds it active instead of making a new request, which pytest deprecates.
     """
     return redlock_nodes
+
+
+#: ``REDLOCK_TEST_FAIR=1``: every test's ``settings.REDLOCK`` holds ``FAIR: True``,
+#: so the fault matrix runs on fair locks too (``make test-fair``).
+FAIR_ENV = "REDLOCK_TEST_FAIR"
+
+
+@pytest.fixture
+def redlock_settings(redlock_settings: dict[str, Any], settings: Any) -> dict[str, Any]:
+    """The plugin's settings for the session's nodes, fair when ``FAIR_ENV`` says."""
+    if os.environ.get(FAIR_ENV, "") not in ("", "0"):
+        redlock_settings = {**redlock_settings, "FAIR": True}
+        settings.REDLOCK = redlock_settings
+    return redlock_settings
 
 
 @pytest.fixture

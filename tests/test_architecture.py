@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "redlock_django"
 #: The layer that takes nodes and plain numbers (STYLE.md §2): no Django, no settings.
-CORE = ("exceptions", "protocol", "scripts", "keys", "wire")
+CORE = ("exceptions", "protocol", "scripts", "keys", "sockets", "wire")
 
 
 def _modules() -> dict[str, Path]:

@@ -102,6 +102,7 @@ CASES = [
     setting(
         "WAKE_UPS", "yes", r"redlock\.E011: REDLOCK\['WAKE_UPS'\] is 'yes', not a bool"
     ),
+    setting("FAIR", 1, r"redlock\.E011: REDLOCK\['FAIR'\] is 1, not a bool"),
     setting("KEY_PREFIX", "", r"redlock\.E010: .* is empty"),
     setting("KEY_PREFIX", "lock*", r"redlock\.E010: .* pattern character"),
     setting("KEY_PREFIX", "my lock", r"redlock\.E010: .* whitespace"),

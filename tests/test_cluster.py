@@ -1,7 +1,7 @@
 """The cluster run (loadtests/cluster): its checker on recorded states, and a short run.
 
 The checker tests need nothing; the short run (``--duration 40``: every fault of
-the schedule, about 100 s) needs root, iproute2, nftables, nginx, PostgreSQL's
+the schedule, about 115 s) needs root, iproute2, nftables, nginx, PostgreSQL's
 initdb and faketime, and skips saying which is missing.
 """
 
@@ -213,7 +213,7 @@ LIVENESS_TRIES = 3
 
 @pytest.mark.timeout(1300)  # three runs of at most 400 s each
 def test_short_cluster_run_passes(tmp_path: Path) -> None:
-    """Every fault of the schedule, shortened (about 100 s): the run exits 0.
+    """Every fault of the schedule, shortened (about 115 s): the run exits 0.
 
     A run whose only failures are liveness checks (orders/s, 503s from a host
     with a majority) is run again, up to LIVENESS_TRIES runs in all, each failed
@@ -224,7 +224,7 @@ def test_short_cluster_run_passes(tmp_path: Path) -> None:
     """
     if os.environ.get("NOX_CURRENT_SESSION"):
         pytest.skip(
-            "the cluster run (100 s) runs once, in make test, not in every "
+            "the cluster run (115 s) runs once, in make test, not in every "
             "version-matrix session: it tests the deployment, not a version"
         )
     why = run.missing_requirements()

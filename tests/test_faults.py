@@ -32,11 +32,15 @@ from harness.held import lock_key, token_on, tokens
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
 from redlock_django import LockLostError, QuorumUnavailableError, Redlock
+from redlock_django.conf import get_settings
 from redlock_django.scripts import (
     ACQUIRE_SCRIPT,
     EXTEND_SCRIPT,
+    FAIR_ACQUIRE_SCRIPT,
     PTTL_SCRIPT,
+    QUEUED_RELEASE_SCRIPT,
     RELEASE_SCRIPT,
+    Script,
 )
 from tests._api import make_api
 from tests._matrix import (
@@ -56,10 +60,18 @@ DRIFT_FACTOR = 0.01
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
 
+def acquire_script() -> Script:
+    """The script a lock built from settings acquires with (``make test-fair``
+    runs this module with ``FAIR: True``)."""
+    return FAIR_ACQUIRE_SCRIPT if get_settings().fair else ACQUIRE_SCRIPT
+
+
 def load_scripts(nodes: NodeSet) -> None:
+    scripts = (ACQUIRE_SCRIPT, RELEASE_SCRIPT, EXTEND_SCRIPT, PTTL_SCRIPT)
+    scripts += (FAIR_ACQUIRE_SCRIPT, QUEUED_RELEASE_SCRIPT)
     for node in nodes:
         with node.client() as client:
-            for script in (ACQUIRE_SCRIPT, RELEASE_SCRIPT, EXTEND_SCRIPT, PTTL_SCRIPT):
+            for script in scripts:
                 client.script_load(script.source)
 
 
@@ -320,10 +332,11 @@ def test_retries_are_jittered_apart_between_competing_clients(
     # "<base>.<attempt>"': each attempt has its own token, one base per acquire.
     attempts: dict[str, list[float]] = {}
     for line in lines:
-        if f'"EVALSHA" "{ACQUIRE_SCRIPT.sha}"' not in line:
+        if f'"EVALSHA" "{acquire_script().sha}"' not in line:
             continue
         parts = line.split('"')
-        stamp, base = float(line.split()[0]), parts[9].rpartition(".")[0]
+        token = parts[7 + 2 * int(parts[5])]  # the first argument after the keys
+        stamp, base = float(line.split()[0]), token.rpartition(".")[0]
         attempts.setdefault(base, []).append(stamp)
     assert len(attempts) == 2, lines[:5]
     gaps = {
@@ -624,7 +637,7 @@ def test_scripts_reload_after_script_flush_on_every_node(
     lock = Redlock("noscript")
     flush_scripts(nodes)
     assert lock.acquire(blocking=False)
-    assert script_cached_everywhere(nodes, ACQUIRE_SCRIPT)
+    assert script_cached_everywhere(nodes, acquire_script())
     flush_scripts(nodes)
     assert lock.extend()
     assert script_cached_everywhere(nodes, EXTEND_SCRIPT)
@@ -642,7 +655,7 @@ async def test_async_scripts_reload_after_script_flush_on_every_node(
     lock = Redlock("anoscript")
     flush_scripts(nodes)
     assert await lock.aacquire(blocking=False)
-    assert script_cached_everywhere(nodes, ACQUIRE_SCRIPT)
+    assert script_cached_everywhere(nodes, acquire_script())
     flush_scripts(nodes)
     assert await lock.aextend()
     assert script_cached_everywhere(nodes, EXTEND_SCRIPT)

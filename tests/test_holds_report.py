@@ -25,11 +25,17 @@ def record(
     product: int = 7,
     release: float = 0.001,
     pay: float = 0.005,
+    arrived: float | None = None,
 ) -> dict[str, Any]:
-    """A sold hold granted at ``start``: acquire 1 ms, read 1 ms, pay, write 1 ms."""
+    """A sold hold granted at ``start``: acquire 1 ms, read 1 ms, pay, write 1 ms.
+
+    The request asked for the product lock at ``arrived`` (20 ms before ``start``
+    unless given).
+    """
     end = start + held
     marks = {
         "start": start - 0.050,
+        "checked": start - 0.020 if arrived is None else arrived,
         "product_acquired": start + 0.001,
         "read": start + 0.002,
         "paid": start + 0.002 + pay,
@@ -75,6 +81,32 @@ def test_gaps_between_holds_lower_the_utilization() -> None:
     assert report.window_s == pytest.approx(0.040)
     assert report.busy_s == pytest.approx(0.020)
     assert report.utilization == pytest.approx(0.5)
+
+
+def test_holds_that_overlap_count_once() -> None:
+    """A hold's winning attempt can begin before its predecessor's release ends:
+    the time both cover counts once, so utilization never passes 1.0."""
+    records = [record(t, 0.012) for t in (0.0, 0.010, 0.020)]
+    report = holds.summarize(records)
+
+    assert report.busy_s == pytest.approx(0.020)
+    assert report.utilization == pytest.approx(1.0)
+    assert holds.covered([(0, 2), (1, 3), (5, 6), (5.5, 5.7)], 0.5, 10) == 3.5
+
+
+def test_out_of_order_counts_grants_that_overtook_an_earlier_arrival() -> None:
+    """Arrivals 0, 1, 2, 3 ms granted in the order 0, 2, 1, 3: one of four grants
+    (the second arrival's overtaker) was served before an earlier arrival."""
+    granted_as = [0.000, 0.002, 0.001, 0.003]
+    records = [
+        record(0.1 + 0.01 * k, 0.010, arrived=arrived)
+        for k, arrived in enumerate(granted_as)
+    ]
+    assert holds.summarize(records).out_of_order == pytest.approx(0.25)
+
+    in_order = [record(0.1 + 0.01 * k, 0.01, arrived=k / 1000) for k in range(4)]
+    assert holds.summarize(in_order).out_of_order == 0.0
+    assert holds.out_of_order([]) is None
 
 
 def test_holds_outside_the_sale_and_other_products_do_not_count() -> None:
@@ -167,12 +199,15 @@ def test_the_demo_table_prints_the_hold_figures() -> None:
             "utilization": 0.912,
             "work_utilization": 0.8,
             "median_hold_ms": 7.04,
+            "out_of_order": 0.0123,
         },
         "payment_share": 0.7512,
     }
     unsafe = {"mode": "unsafe", "endpoint": "buy-unsafe"}
     table = format_table([unsafe, locked]).splitlines()
 
-    assert table[0].endswith("hold util  work util  hold p50 ms  pay share")
-    assert table[-1].split()[-4:] == ["0.91", "0.80", "7.0", "0.75"]
-    assert table[-2].split()[-4:] == ["-", "-", "-", "-"]
+    assert table[0].endswith(
+        "hold util  work util  hold p50 ms  pay share  out of order"
+    )
+    assert table[-1].split()[-5:] == ["0.91", "0.80", "7.0", "0.75", "0.012"]
+    assert table[-2].split()[-5:] == ["-", "-", "-", "-", "-"]

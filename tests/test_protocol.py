@@ -526,6 +526,39 @@ def test_locked_needs_a_quorum_of_live_keys() -> None:
     assert held is True and free is False
 
 
+def test_locked_checks_again_when_only_the_clients_lateness_left_it_undecided() -> None:
+    clock = FakeClock()
+    late = NodeReply(error=f"{LATE}: looked 90 ms after its deadline")
+    answers = iter(
+        [
+            [NodeReply(900), late, late, late, NodeReply(-2)],
+            ok(900, 800, 700, -2, -2),
+        ]
+    )
+    flow = locked_flow(spec(), 1.0, clock, lambda: 0.5)
+    held, steps = drive(flow, lambda s: next(answers), clock)
+    assert held is True
+    assert [type(step) for step in steps] == [Fanout, Sleep, Fanout]
+
+
+def test_locked_gives_up_when_the_wait_ends_and_at_once_on_a_real_outage() -> None:
+    clock = FakeClock()
+    late = NodeReply(error=f"{LATE}: looked 90 ms after its deadline")
+    down = NodeReply(error="timed out")
+    started = clock.now
+
+    def always_late(step: Any) -> list[NodeReply]:
+        return [NodeReply(900), late, late, late, NodeReply(-2)]
+
+    with pytest.raises(QuorumUnavailableError, match="ran late"):
+        drive(locked_flow(spec(), 1.0, clock, lambda: 0.5), always_late, clock)
+    assert 1.0 <= clock.now - started < 1.5
+    flow = locked_flow(spec(), 1.0, clock, lambda: 0.5)
+    next(flow)
+    with pytest.raises(QuorumUnavailableError, match="too few nodes answered"):
+        flow.send([NodeReply(900), down, down, down, NodeReply(-2)])
+
+
 def test_watchdog_extends_about_a_third_into_each_lease() -> None:
     clock = FakeClock()
     s = spec(3, ttl=3.0)

@@ -9,6 +9,7 @@ without a release, as on expiry) shows the timed fallback taking over.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import pytest
 
 from harness.held import lock_key
 from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
 from redlock_django import Redlock, nodes, signals, wake
 from redlock_django.conf import get_settings
 
@@ -144,6 +146,42 @@ def test_async_waiter_is_woken_by_a_release_from_another_thread(
     assert got["wakeups"] == got["attempts"] - 1 >= 1
 
 
+def test_a_release_reaching_the_nodes_at_different_times_still_wakes_the_waiter(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    # The holder reaches three of the five nodes through proxies that hold its
+    # requests back 50 ms: its release lands on two nodes first (a holder thread
+    # descheduled mid-release does the same). A waiter woken by those first
+    # messages tries while a majority still holds the key; the later messages of
+    # the same release must still wake it, or it sleeps out its 30 s retry.
+    with contextlib.ExitStack() as stack:
+        slow = [stack.enter_context(FaultProxy(node.port)) for node in list(nodes)[2:]]
+        urls = [node.url for node in list(nodes)[:2]] + [proxy.url for proxy in slow]
+        holder = Redlock("wake:partial", nodes=urls)
+        assert holder.acquire(blocking=False)
+        waiter = Redlock("wake:partial", retry_delay=SLOW_RETRY, retry_jitter=0)
+        assert waiter._resolve().spec.key == holder._resolve().spec.key
+        results: list[bool] = []
+        # Not woken, it would try once more at its deadline and count no wake-up.
+        thread = _waiter(waiter, results, timeout=6)
+        channel = holder._resolve().spec.key.encode()
+        hub = _hub()
+        _wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
+        _wait_for(
+            lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+            "every node confirms the subscription",
+        )
+        for proxy in slow:
+            proxy.delay(0, requests=0.05)
+        holder.release()
+        thread.join(timeout=10)
+        assert results == [True]
+        got = acquisitions[-1]
+        assert got["wakeups"] == got["attempts"] - 1, "a wait ran out: nothing woke it"
+
+
 def test_many_waiting_resources_share_one_subscriber_connection_per_node(
     redlock_settings: dict[str, Any], nodes: NodeSet
 ) -> None:
@@ -191,7 +229,8 @@ def test_a_paused_node_does_not_stop_the_others_waking_the_waiter(
     with nodes[4].paused():
         waiter = Redlock("wake:paused", retry_delay=SLOW_RETRY, retry_jitter=0)
         results: list[bool] = []
-        thread = _waiter(waiter, results, timeout=SLOW_RETRY * 0.7)
+        # Not woken, it would try once more at its deadline and count no wake-up.
+        thread = _waiter(waiter, results, timeout=6)
         channel = holder._resolve().spec.key.encode()
         hub = _hub()
         _wait_for(

@@ -3,8 +3,9 @@
 Each fault is applied from outside the processes (nftables rules in a host's
 namespace, SIGKILL / SIGSTOP, a restart under libfaketime) and logged with its
 start and end in seconds of CLOCK_MONOTONIC since the load began. Times scale with
-``--duration`` (each fault at least ``MIN_HOLD`` seconds, the restart and the
-pause at least the lease they must outlast).
+``--duration`` (each fault at least ``MIN_HOLD`` seconds and longer than the TTL
+by ``RESUME_MARGIN``, the restart and the pause at least the lease they must
+outlast).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ if TYPE_CHECKING:
 
 MIN_HOLD = 4.0
 MIN_GAP = 2.5
+#: A fault that cuts the lock's holder off in the middle of its hold strands its
+#: lease on the nodes it can no longer reach, so nobody can sell until that lease
+#: expires: up to a TTL, by design. Each fault lasts this much longer than the TTL,
+#: so that its phase shows the sale going on again.
+RESUME_MARGIN = 2.0
 FRESH_GRANT = 0.004  # seconds: a worker stopped this soon after its grant
 LAST_RESORT = 2.0  # the pauser's last seconds take any holder of the lock
 LOCUST_STOP_TIMEOUT = 30  # in-flight purchases finish, so each has its answer
@@ -190,7 +196,7 @@ def schedule(
     duration = float(args.duration)
     ttl = float(cluster.shop_env["REDLOCK_TTL"])
     gap = max(0.04 * duration, MIN_GAP)
-    hold = max(0.07 * duration, MIN_HOLD)
+    hold = max(0.07 * duration, MIN_HOLD, ttl + RESUME_MARGIN)
     r = list(topology.REDIS_HOSTS)
     if args.negative_control:
         stop = threading.Event()

@@ -51,6 +51,7 @@ SHOP_ENV: dict[str, str] = {
     "ALLOWED_HOSTS": f"localhost,127.0.0.1,{NGINX_HOST}",
     "REDLOCK_TTL": "5",
     "REDLOCK_WAIT_TIMEOUT": "2",
+    "REDLOCK_FAIR": "1",
     "SHOP_WORK_MS": "5",
     "SHOP_MAX_PER_ORDER": "5",
     "SHOP_TIMINGS_DIR": "",  # off (shop/timings.py)

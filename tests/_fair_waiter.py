@@ -1,0 +1,67 @@
+"""One waiter of a fair lock, in its own process: ``python -m tests._fair_waiter``.
+
+It configures Django itself with the node URLs it is given, acquires ``--resource``
+with ``fair=True`` (waiting up to ``--timeout``), prints one JSON line when it got
+the lock (``at``: CLOCK_MONOTONIC, system-wide on Linux; ``attempts`` and
+``wakeups`` from the ``lock_acquired`` signal), holds it ``--hold`` seconds,
+releases it and exits. A wait that runs out prints ``{"event": "gave up"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests._fair_waiter")
+    parser.add_argument("--nodes", required=True, help="comma-separated Redis URLs")
+    parser.add_argument("--resource", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--timeout", type=float, default=20.0)
+    parser.add_argument("--hold", type=float, default=0.05)
+    parser.add_argument("--retry-delay", type=float, default=0.05)
+    args = parser.parse_args(argv)
+
+    import django
+    from django.conf import settings
+
+    settings.configure(
+        INSTALLED_APPS=["redlock_django"],
+        REDLOCK={
+            "NODES": args.nodes.split(","),
+            "TTL": 10.0,
+            "NODE_TIMEOUT": 0.2,
+            "RETRY_DELAY": args.retry_delay,
+            "RETRY_JITTER": 0,
+            "FAIR": True,
+        },
+    )
+    django.setup()
+    from redlock_django import Redlock, signals
+
+    got: dict[str, Any] = {}
+
+    def on_acquired(**kwargs: Any) -> None:
+        got.update(attempts=kwargs["attempts"], wakeups=kwargs["wakeups"])
+
+    signals.lock_acquired.connect(on_acquired, weak=False)
+    lock = Redlock(args.resource)
+    if not lock.acquire(timeout=args.timeout):
+        print(json.dumps({"event": "gave up", "name": args.name}), flush=True)
+        return 0
+    at = time.monotonic()
+    print(
+        json.dumps({"event": "acquired", "name": args.name, "at": at, **got}),
+        flush=True,
+    )
+    time.sleep(args.hold)
+    lock.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

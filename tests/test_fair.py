@@ -1,0 +1,278 @@
+"""Fair locks: waiters in other processes are served in the order they queued.
+
+Each waiter is its own process (``tests/_fair_waiter.py``), so the queue that
+orders them can only be the one on the nodes. The proofs read the order and the
+``attempts`` / ``wakeups`` of the ``lock_acquired`` signal, not wall time: with a
+30 s retry delay, a waiter that got the lock after one wait was woken by the
+release that named it. Faults come from outside: SIGSTOP and SIGKILL of a waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.nodes import NodeSet
+from redlock_django import Redlock
+from redlock_django.keys import queue_keys
+from redlock_django.protocol import QUEUE_LIFE
+
+pytestmark = pytest.mark.django_db(transaction=False)
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Long enough that a waiter sleeping it out would be obvious from its counts.
+SLOW_RETRY = 30.0
+
+
+@pytest.fixture
+def spawn(nodes: NodeSet) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """``spawn(name, resource, *args)``: start one waiter process."""
+    started: list[subprocess.Popen[str]] = []
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), env.get("PYTHONPATH")])
+    )
+
+    def start(name: str, resource: str, *extra: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests._fair_waiter", "--nodes",
+             ",".join(node.url for node in nodes), "--resource", resource,
+             "--name", name, *extra],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+def _queued(nodes: NodeSet, resource: str) -> list[int]:
+    """Per node, how many entries the resource's queue holds."""
+    queue = queue_keys(resource, "redlock")[0]
+    return [node.client().zcard(queue) for node in nodes]
+
+
+def _wait_until_queued(nodes: NodeSet, resource: str, count: int) -> None:
+    deadline = time.monotonic() + 15
+    while sum(1 for n in _queued(nodes, resource) if n >= count) < len(nodes):
+        if time.monotonic() > deadline:
+            seen = _queued(nodes, resource)
+            raise AssertionError(f"{count} waiters never queued on all nodes: {seen}")
+        time.sleep(0.01)
+
+
+def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    return json.loads(out.splitlines()[-1])
+
+
+def _assert_served_in_order_each_woken(
+    procs: list[subprocess.Popen[str]], names: str
+) -> None:
+    """The waiters got the lock in the order ``names``, and every wait between
+    their attempts ended by a wake-up (none slept out its 30 s retry): each
+    release woke the next waiter in line."""
+    results = [_result(proc) for proc in procs]
+    assert all(r["event"] == "acquired" for r in results), results
+    order = [r["name"] for r in sorted(results, key=lambda r: r["at"])]
+    assert order == list(names)
+    for r in results:
+        assert r["wakeups"] == r["attempts"] - 1, r
+
+
+def test_waiters_in_other_processes_get_the_lock_in_the_order_they_queued(
+    redlock_settings: dict[str, Any], nodes: NodeSet, spawn: Callable[..., Any]
+) -> None:
+    holder = Redlock("fair:order", fair=True)
+    assert holder.acquire(blocking=False)
+    procs = []
+    for k, name in enumerate("abcd", start=1):
+        procs.append(spawn(name, "fair:order", "--retry-delay", str(SLOW_RETRY)))
+        _wait_until_queued(nodes, "fair:order", k)
+    holder.release()
+    _assert_served_in_order_each_woken(procs, "abcd")
+    assert _queued(nodes, "fair:order") == [0] * len(nodes)
+
+
+def test_a_newcomer_does_not_take_a_free_lock_from_a_queued_waiter(
+    redlock_settings: dict[str, Any], nodes: NodeSet, spawn: Callable[..., Any]
+) -> None:
+    holder = Redlock("fair:barge", fair=True)
+    assert holder.acquire(blocking=False)
+    waiter = spawn("a", "fair:barge", "--retry-delay", str(SLOW_RETRY))
+    _wait_until_queued(nodes, "fair:barge", 1)
+    os.kill(waiter.pid, signal.SIGSTOP)  # queued, and cannot take its turn
+    holder.release()
+    assert not Redlock("fair:barge", fair=True).acquire(blocking=False)
+    # The negative control: a lock that is not fair lets the newcomer in.
+    barger = Redlock("fair:barge", fair=False)
+    assert barger.acquire(blocking=False)
+    barger.release()
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_dead_or_frozen_first_waiter_delays_the_next_by_at_most_its_queue_entry(
+    fault: str,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    spawn: Callable[..., Any],
+) -> None:
+    holder = Redlock("fair:dead", fair=True)
+    assert holder.acquire(blocking=False)
+    first = spawn("first", "fair:dead", "--retry-delay", str(SLOW_RETRY))
+    _wait_until_queued(nodes, "fair:dead", 1)
+    second = spawn("second", "fair:dead")
+    _wait_until_queued(nodes, "fair:dead", 2)
+    os.kill(first.pid, getattr(signal, fault))
+    stopped = time.monotonic()
+    holder.release()
+    got = _result(second)
+    assert got["event"] == "acquired"
+    # The first waiter's entry outlives its last refresh by QUEUE_LIFE at most;
+    # then the second's timed retry (50 ms here) finds the lock free and itself
+    # first in line.
+    assert got["at"] - stopped < QUEUE_LIFE + 0.5, got["at"] - stopped
+
+
+@pytest.mark.parametrize(
+    "fault", ["restarted-empty", "restarted-empty-then-rebuilt", "minority-frozen"]
+)
+def test_a_node_restarted_empty_or_a_frozen_minority_keeps_the_queue_order(
+    fault: str,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    spawn: Callable[..., Any],
+) -> None:
+    """Four waiters queued on every node; then node 0 is killed and started again
+    empty (released at once, or once the waiters' refreshes rebuilt its queue), or
+    nodes 0 and 1 are frozen with SIGSTOP. The majority keeps the order: the
+    waiters are served a, b, c, d, each woken by the release before it."""
+    holder = Redlock("fair:nodes", fair=True)
+    assert holder.acquire(blocking=False)
+    procs = []
+    for k, name in enumerate("abcd", start=1):
+        procs.append(spawn(name, "fair:nodes", "--retry-delay", str(SLOW_RETRY)))
+        _wait_until_queued(nodes, "fair:nodes", k)
+    if fault == "minority-frozen":
+        for node in nodes[:2]:
+            node.pause()
+    else:
+        nodes[0].crash_and_restart()
+        assert _queued(nodes, "fair:nodes")[0] == 0  # its queue is gone
+    if fault == "restarted-empty-then-rebuilt":
+        # The docs' bound: each waiter rewrites its entry every QUEUE_LIFE / 3.
+        restarted = time.monotonic()
+        while _queued(nodes, "fair:nodes")[0] < 4:
+            assert time.monotonic() - restarted < QUEUE_LIFE / 3 + 0.5
+            time.sleep(0.01)
+        queue = queue_keys("fair:nodes", "redlock")[0]
+        rebuilt = nodes[0].client().zrange(queue, 0, -1)
+        assert rebuilt == nodes[2].client().zrange(queue, 0, -1)  # same order
+    holder.release()
+    _assert_served_in_order_each_woken(procs, "abcd")
+
+
+def test_asyncio_waiters_of_a_fair_lock_are_served_in_queue_order(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    holder = Redlock("fair:async", fair=True)
+    assert holder.acquire(blocking=False)
+    order: list[str] = []
+
+    async def waiter(name: str) -> None:
+        lock = Redlock("fair:async", fair=True, retry_delay=SLOW_RETRY, retry_jitter=0)
+        assert await lock.aacquire(timeout=20)
+        order.append(name)
+        await asyncio.sleep(0.02)
+        await lock.arelease()
+
+    async def main() -> None:
+        tasks = []
+        for k, name in enumerate("xyz", start=1):
+            tasks.append(asyncio.create_task(waiter(name)))
+            while sum(1 for n in _queued(nodes, "fair:async") if n >= k) < len(nodes):
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+
+    loop = threading.Thread(target=asyncio.run, args=(main(),))
+    loop.start()
+    _wait_until_queued(nodes, "fair:async", 3)
+    holder.release()
+    loop.join(timeout=25)
+    assert order == list("xyz")
+
+
+def test_a_fair_lock_with_fencing_hands_out_increasing_tokens(
+    redlock_settings: dict[str, Any],
+) -> None:
+    tokens = []
+    for _ in range(3):
+        lock = Redlock("fair:fenced", fair=True, fencing=True)
+        with lock:
+            tokens.append(lock.fencing_token)
+    assert tokens == sorted(set(tokens)), tokens
+
+
+def test_a_waiter_that_gives_up_leaves_the_queue_at_once(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    holder = Redlock("fair:leave", fair=True)
+    assert holder.acquire(blocking=False)
+    results: list[bool] = []
+    waiter = threading.Thread(
+        target=lambda: results.append(
+            Redlock("fair:leave", fair=True).acquire(timeout=1)
+        )
+    )
+    waiter.start()
+    _wait_until_queued(nodes, "fair:leave", 1)
+    waiter.join(timeout=10)
+    assert results == [False]
+    # Gone now, not QUEUE_LIFE later: a waiter behind it would not wait for it.
+    assert _queued(nodes, "fair:leave") == [0] * len(nodes)
+    holder.release()
+
+
+def test_a_cancelled_asyncio_waiter_leaves_the_queue(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    holder = Redlock("fair:cancel", fair=True)
+    assert holder.acquire(blocking=False)
+
+    async def main() -> list[int]:
+        waiter = Redlock("fair:cancel", fair=True)
+        task = asyncio.create_task(waiter.aacquire(timeout=20))
+        while min(_queued(nodes, "fair:cancel")) < 1:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return _queued(nodes, "fair:cancel")
+
+    assert asyncio.run(main()) == [0] * len(nodes)
+    holder.release()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None.__class__])
+def test_fair_must_be_a_bool(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"fair must be True or False, not "):
+        Redlock("fair:bad", fair=value)
