@@ -449,24 +449,32 @@ def acquire_flow(
             left = validity(spec.ttl, clock() - start, spec.drift_factor)
             fencing_token = None
             if len(won) >= spec.quorum and left > 0 and spec.fence_key is not None:
-                fencing_token = max(replies[i].value for i in won) + 1
-                try:
-                    confirms: Replies = yield Fanout(
-                        FENCE_SCRIPT,
-                        fenced,
-                        (mine, fencing_token),
-                        nodes=won,
-                        need=spec.quorum,
-                        wins=confirmed,
+                # Each granting node raised its counter by one: the token is the
+                # highest. Once a majority's counters are at it, every later
+                # majority meets one of them and draws past it; when fewer granting
+                # nodes reached it, it is written back to them first.
+                drawn = [replies[i].value for i in won]
+                fencing_token = max(drawn)
+                if drawn.count(fencing_token) < spec.quorum:
+                    try:
+                        confirms: Replies = yield Fanout(
+                            FENCE_SCRIPT,
+                            fenced,
+                            (mine, fencing_token),
+                            nodes=won,
+                            need=spec.quorum,
+                            wins=confirmed,
+                        )
+                    except BaseException:
+                        yield _cleanup(spec, mine)
+                        raise
+                    failed.update(_failed(spec, confirms, won))
+                    won = tuple(
+                        i
+                        for i, r in zip(won, confirms, strict=True)
+                        if confirmed(r.value)
                     )
-                except BaseException:
-                    yield _cleanup(spec, mine)
-                    raise
-                failed.update(_failed(spec, confirms, won))
-                won = tuple(
-                    i for i, r in zip(won, confirms, strict=True) if confirmed(r.value)
-                )
-                left = validity(spec.ttl, clock() - start, spec.drift_factor)
+                    left = validity(spec.ttl, clock() - start, spec.drift_factor)
             if len(won) >= spec.quorum and left > 0:
                 valid_until = start + spec.ttl - drift(spec.ttl, spec.drift_factor)
                 return Grant(

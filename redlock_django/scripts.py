@@ -60,14 +60,15 @@ end
 """
 
 
-# The fencing counter read that ACQUIRE and FAIR_ACQUIRE start with: KEYS[n] is the
-# counter (absent: no fencing, 0); one that is not an integer is an error reply.
+# The fencing counter check that ACQUIRE and FAIR_ACQUIRE start with: KEYS[n] is the
+# counter (absent: no fencing); one that is not an integer is an error reply, given
+# before anything is written.
 def _read_fence(n: int) -> str:
     return f"""
 local fence = 0
 if KEYS[{n}] then
-  fence = tonumber(redis.call('get', KEYS[{n}]) or '0')
-  if not fence then
+  local raw = redis.call('get', KEYS[{n}]) or '0'
+  if not string.match(raw, '^%-?%d+$') then
     return redis.error_reply('fencing counter ' .. KEYS[{n}] .. ' is not a number')
   end
 end
@@ -84,18 +85,28 @@ if owner and owner ~= ARGV[1] then
   end
 end
 """
-# Writes the lock and returns the fencing counter read before.
-_GRANT = """
-redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])
+
+
+# Writes the lock; with a fencing counter (KEYS[n]) it raises it by one and records
+# the new value on the lock. Returns that value (0 without fencing).
+def _grant(n: int) -> str:
+    return f"""
+if KEYS[{n}] then
+  fence = redis.call('incr', KEYS[{n}])
+  redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3], 'fence', fence)
+else
+  redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])
+end
 redis.call('pexpire', KEYS[1], ARGV[2])
 return fence
 """
 
+
 # KEYS[1] lock key; KEYS[2] (optional) fencing counter key
 # ARGV[1] token of this attempt, "<base>.<attempt>" (attempt k of one acquisition
 # writes base.k); ARGV[2] lease in ms; ARGV[3] holder metadata (JSON)
-# returns the fencing counter (0 when absent or not asked for) when it wrote ARGV[1]:
-# the key was free, held ARGV[1] itself (a resent command), or held an earlier
+# returns the fencing counter after its increment (0 without fencing) when it wrote
+# ARGV[1]: the key was free, held ARGV[1] itself (a resent command), or held an earlier
 # attempt of the same base (same base, lower attempt number): a leftover whose
 # clean-up was lost, which must not block the next attempt. Returns -1, writing
 # nothing, when any other token holds it: a later attempt of ours (a late ACQUIRE
@@ -104,7 +115,7 @@ return fence
 # error reply, checked before anything is written, so that node just votes no.
 ACQUIRE_SCRIPT = Script(
     "acquire",
-    _read_fence(2) + _READ_OWNER + _TAKE_OVER + _GRANT,
+    _read_fence(2) + _READ_OWNER + _TAKE_OVER + _grant(2),
 )
 
 # The wait queue of a fair lock (fairness.py), on each node: ``queue`` is a sorted
@@ -217,7 +228,7 @@ if head and head ~= ARGV[4] then
   return refuse(-2)
 end
 """
-    + _GRANT,
+    + _grant(5),
 )
 
 # Deletes KEYS[1] when our token (ARGV[1]) holds it, leaving ``deleted``; else

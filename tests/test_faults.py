@@ -28,7 +28,7 @@ import pytest
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from harness.held import lock_key, token_on, tokens
+from harness.held import fence_key, lock_key, token_on, tokens
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
 from redlock_django import LockLostError, QuorumUnavailableError, Redlock
@@ -977,7 +977,8 @@ def test_matrix_latency_shortens_validity_and_too_slow_attempts_are_refused(
     validity is TTL - elapsed - drift, bounded by the caller's own clock. Three
     nodes slower than NODE_TIMEOUT: refused, and the two nodes that granted are
     cleared at once, not after the 10 s lease. A fenced attempt whose two round
-    trips add up to more than its TTL: refused as too slow, nothing left."""
+    trips (one node's counter ahead: the write-back runs) add up to more than its
+    TTL: refused as too slow, nothing left."""
     tally = matrix(3)
     ttl = 2.0
     proxied(settings, redlock_settings, proxies, NODE_TIMEOUT=0.2, TTL=ttl)
@@ -1024,7 +1025,10 @@ def test_matrix_latency_shortens_validity_and_too_slow_attempts_are_refused(
     asyncio.run(too_slow("sync", "m3-partial", 2, ttl=10.0))
     asyncio.run(too_slow("async", "m3-partial", 2, ttl=10.0))
 
-    # Fenced: two round trips of 0.17 s each outlast a 0.3 s lease.
+    # Fenced: two round trips of 0.17 s each outlast a 0.3 s lease. (One node's
+    # counter is ahead, so the token drawn needs the write-back round.)
+    with nodes[0].client() as client:
+        client.set(fence_key("m3-fenced"), 5)
     for proxy in proxies:
         proxy.delay(0.17)
     options = {"ttl": 0.3, "fencing": True, "node_timeout": 0.2}

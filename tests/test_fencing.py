@@ -128,8 +128,9 @@ def _holds_key(node: RedisNode) -> bool:
 def redlock_step(nodes: NodeSet, lock: Redlock, majority: Sequence[int]) -> int:
     """Acquire ``lock`` with only ``majority`` awake; check who granted; release.
 
-    The granting nodes hold the token on the lock hash and as their counter; the
-    nodes left out keep their counters unchanged.
+    A quorum of the granting nodes hold the token on the lock hash and as their
+    counter, the others no more than it; no counter went down. (A node left out
+    runs the step's late acquire once resumed, which may raise its own counter.)
     """
     wait_until_free(nodes)
     before = counters(nodes)
@@ -137,13 +138,14 @@ def redlock_step(nodes: NodeSet, lock: Redlock, majority: Sequence[int]) -> int:
         assert lock.acquire(timeout=3.0), f"not acquired with {majority} awake"
         token = lock.fencing_token
         assert isinstance(token, int)
-        for i in majority:
-            assert lock_fence(nodes[i]) == token, f"node {i}"
+        recorded = [lock_fence(nodes[i]) for i in majority]
+        assert recorded.count(token) >= QUORUM, f"{majority}: {recorded}"
+        assert all(0 < (fence or 0) <= token for fence in recorded), recorded
     after = counters(nodes)
     lock.release()
-    for i in range(len(nodes)):
-        expected = token if i in majority else before[i]
-        assert after[i] == expected, f"{majority}: counters {before} -> {after}"
+    msg = f"{majority}: counters {before} -> {after}, token {token}"
+    assert sum(1 for value in after if (value or 0) >= token) >= QUORUM, msg
+    assert all((a or 0) >= (b or 0) for a, b in zip(after, before, strict=True)), msg
     return token
 
 
@@ -284,21 +286,82 @@ def test_naive_per_node_incr_goes_backwards_where_redlock_tokens_do_not(
 def test_fencing_token_is_recorded_on_the_lock_and_a_quorum_of_counters(
     redlock_settings: dict[str, Any], nodes: NodeSet
 ) -> None:
-    """The granting nodes store the token (``HGET ... fence``) and a counter >= it."""
+    """The granting nodes store the token (``HGET ... fence``) and a counter >= it.
+
+    (The write-back returns once a quorum confirmed: the fourth node's may land a
+    moment later.)
+    """
     with nodes[1].client() as client:
         client.set(FENCE_KEY, 41)  # one node is ahead: the token must pass it
     lock = Redlock(RESOURCE, fencing=True)
     with only(nodes, (0, 1, 2, 3)), lock:
         token = lock.fencing_token
         assert token == 42
+        settle(lambda: [lock_fence(nodes[i]) for i in range(4)], [token] * 4)
         for i in range(4):
-            assert lock_fence(nodes[i]) == token
             with nodes[i].client() as client:
                 assert client.pttl(LOCK_KEY) > 0
     at_least = [value for value in counters(nodes) if (value or 0) >= 42]
     assert len(at_least) >= QUORUM
     assert counters(nodes)[:4] == [42, 42, 42, 42]
-    assert counters(nodes)[4] is None
+    # Node 4 was frozen: once resumed, the late acquire it ran raises only its own.
+    assert (counters(nodes)[4] or 0) <= 1
+
+
+def scripts_run(nodes: NodeSet) -> list[int]:
+    """Per node, how many scripts (EVAL/EVALSHA) it ran since its stats were reset;
+    an EVALSHA answered NOSCRIPT (the driver then sends the source) is not one."""
+    runs = []
+    for node in nodes:
+        with node.client() as client:
+            stats = client.info("commandstats")
+        ran = 0
+        for command in ("eval", "evalsha"):
+            counts = stats.get(f"cmdstat_{command}", {})
+            ran += counts.get("calls", 0) - counts.get("failed_calls", 0)
+        runs.append(ran)
+    return runs
+
+
+def settle(read: Any, expected: Any, within: float = 2.0) -> None:
+    """Wait until ``read()`` returns ``expected``: a fan-out returns once a quorum
+    answered, so the last node's script may run a moment after it."""
+    deadline = time.monotonic() + within
+    while (seen := read()) != expected:
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.005)
+
+
+def test_a_fenced_acquisition_whose_counters_agree_writes_nothing_back(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """Counters that agree (the usual case) make the token final in the acquire
+    round: one script per node. Control: one counter ahead of the others needs
+    the write-back, a second script on every granting node, and gets past it."""
+    with Redlock(RESOURCE, fencing=True):
+        pass  # the scripts are loaded, the counters all at 1
+    wait_until_free(nodes)  # every node ran the release
+    for node in nodes:
+        with node.client() as client:
+            client.config_resetstat()
+    lock = Redlock(RESOURCE, fencing=True)
+    with lock:
+        assert lock.fencing_token == 2
+        settle(lambda: scripts_run(nodes), [1] * 5)
+        time.sleep(0.05)  # nothing more comes
+        assert scripts_run(nodes) == [1] * 5
+    settle(lambda: counters(nodes), [2] * 5)
+
+    with nodes[1].client() as client:
+        client.set(FENCE_KEY, 41)
+    wait_until_free(nodes)
+    for node in nodes:
+        with node.client() as client:
+            client.config_resetstat()
+    with lock:
+        assert lock.fencing_token == 42
+        settle(lambda: scripts_run(nodes), [2] * 5)
+    settle(lambda: counters(nodes), [42] * 5)
 
 
 def test_lock_without_fencing_has_no_token_and_writes_no_counter(
@@ -361,11 +424,14 @@ def test_acquisition_fails_when_the_write_back_misses_a_quorum(
 ) -> None:
     """Four nodes grant, two of them freeze before the write-back: no lock.
 
+    Node 2's counter is ahead, so its draw is the token and the write-back runs.
     Node 4 is frozen from the start. Requests to nodes 0 and 1 go through proxies
     that deliver them 50 ms late, so the freezer has that long to stop those two
     nodes between their grant and the write-back reaching them. Only nodes 2 and 3
     confirm the token, fewer than a quorum: the acquisition must fail.
     """
+    with nodes[2].client() as client:
+        client.set(FENCE_KEY, 5)
     with FaultProxy(nodes[0].port) as slow0, FaultProxy(nodes[1].port) as slow1:
         for proxy in (slow0, slow1):
             proxy.delay(0.0, requests=0.05)
@@ -382,14 +448,17 @@ def test_acquisition_fails_when_the_write_back_misses_a_quorum(
     assert len(caught.value.failed) == 3
     assert not lock.owned()
     assert lock.fencing_token is None
-    # The two awake nodes did take the write-back: their counters rose.
-    assert counters(nodes[2:4]) == [1, 1]
+    # The two awake nodes did take the write-back: node 3's counter rose to 6.
+    assert counters(nodes[2:4]) == [6, 6]
 
 
 def test_acquisition_holds_when_the_write_back_reaches_exactly_a_quorum(
     redlock_settings: dict[str, Any], nodes: NodeSet
 ) -> None:
-    """Four nodes grant, one freezes before the write-back: three confirm, held."""
+    """Four nodes grant (node 1's counter ahead: the write-back runs), one freezes
+    before the write-back: three confirm, held."""
+    with nodes[1].client() as client:
+        client.set(FENCE_KEY, 4)
     lock = Redlock(RESOURCE, fencing=True, ttl=5.0, node_timeout=0.3)
     nodes[4].pause()
     freezer = FreezeOnGrant([nodes[0]])
@@ -399,8 +468,8 @@ def test_acquisition_holds_when_the_write_back_reaches_exactly_a_quorum(
     try:
         assert freezer.frozen == [nodes[0]]
         assert lock.owned()
-        assert lock.fencing_token == 1
-        assert [lock_fence(nodes[i]) for i in (1, 2, 3)] == [1, 1, 1]
+        assert lock.fencing_token == 5
+        assert [lock_fence(nodes[i]) for i in (1, 2, 3)] == [5, 5, 5]
     finally:
         nodes.resume_all()
         lock.release()

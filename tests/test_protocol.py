@@ -15,6 +15,7 @@ from redlock_django.exceptions import (
 from redlock_django.protocol import (
     LATE,
     Fanout,
+    Grant,
     Lease,
     LockSpec,
     NodeReply,
@@ -369,34 +370,40 @@ def test_interrupted_later_attempt_cleans_up_that_attempts_token() -> None:
         flow.send(ok(1, 0, 0))
 
 
-def test_fencing_token_is_one_more_than_the_highest_granting_counter() -> None:
-    clock = FakeClock()
+def fenced_grant(*counters: int) -> tuple[Grant, list[Fanout]]:
+    """Acquire a fenced spec whose nodes reply ``counters`` (-1: refused)."""
     steps: list[Fanout] = []
 
     def respond(step: Fanout) -> list[NodeReply]:
         steps.append(step)
         if step.script is ACQUIRE_SCRIPT:
-            # node 3 refuses: its (higher) counter must not count
-            return [
-                NodeReply(7),
-                NodeReply(9),
-                NodeReply(4),
-                NodeReply(-1),
-                NodeReply(8),
-            ]
+            return [NodeReply(c) for c in counters]
         return ok(*([1] * len(step.nodes or ())))
 
     grant, _ = drive(
-        acquire_flow(spec(fencing=True), "tok", "{}", 0, clock, lambda: 0),
+        acquire_flow(spec(fencing=True), "tok", "{}", 0, FakeClock(), lambda: 0),
         respond,
-        clock,
+        FakeClock(),
     )
-    assert grant.fencing_token == 10
+    return grant, steps
+
+
+def test_fencing_token_is_the_top_counter_written_back_when_few_drew_it() -> None:
+    # node 3 refuses: its (higher) counter must not count; only node 1 drew 9
+    grant, steps = fenced_grant(7, 9, 4, -1, 8)
+    assert grant.fencing_token == 9
     fence = steps[1]
     assert fence.script is FENCE_SCRIPT
     assert fence.nodes == (0, 1, 2, 4)
     assert fence.keys == ("p:lock:r", "p:fence:r")
-    assert fence.args == ("tok.1", 10)
+    assert fence.args == ("tok.1", 9)
+
+
+def test_fencing_token_drawn_by_a_quorum_needs_no_write_back() -> None:
+    grant, steps = fenced_grant(5, 5, -1, 5, 4)
+    assert grant.fencing_token == 5
+    assert [step.script for step in steps] == [ACQUIRE_SCRIPT]
+    assert grant.granted == (0, 1, 3, 4)
 
 
 def test_fencing_write_back_confirmed_by_a_minority_fails_the_attempt() -> None:
@@ -404,7 +411,7 @@ def test_fencing_write_back_confirmed_by_a_minority_fails_the_attempt() -> None:
 
     def respond(step: Fanout) -> list[NodeReply]:
         if step.script is ACQUIRE_SCRIPT:
-            return ok(1, 1, 1, -1, -1)
+            return ok(1, 2, 1, -1, -1)  # only one drew the top: write it back
         if step.script is FENCE_SCRIPT:
             return [NodeReply(1), NodeReply(0), NodeReply(error="timed out")]
         return ok(1, 1, 1, 0, 0)

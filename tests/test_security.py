@@ -11,6 +11,7 @@ import asyncio
 import logging
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from redlock_django import QuorumUnavailableError, Redlock, listing
 from redlock_django import conf as redlock_conf
 from redlock_django import nodes as node_pools
 from redlock_django.address import parse_node
+from redlock_django.keys import queue_keys
 from tests._tls import (
     Certificates,
     TLSRedisNode,
@@ -386,6 +388,33 @@ def test_documented_app_user_can_lock_extend_fence_and_release(
         assert lock.extend(20.0)
         assert lock.locked()
     assert sum(a.exists(lock_key("acl:job")) for a in acl_nodes) == 0
+
+
+def test_documented_app_user_can_queue_for_a_fair_lock_and_be_served(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    """A fair lock's scripts (queue, tickets, the nodes' TIME) and a fenced one's
+    counter draw run under the documented app user too."""
+    urls = acl_urls(acl_nodes, f"redlock-app:{APP_PASSWORD}")
+    settings.REDLOCK = lock_settings(urls, FAIR=True)
+    holder = Redlock("acl:fair", fencing=True)
+    assert holder.acquire(blocking=False)
+    got: list[int | None] = []
+
+    def wait() -> None:
+        with Redlock("acl:fair", fencing=True, retry_delay=30.0) as lock:
+            got.append(lock.fencing_token)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    queue = queue_keys("acl:fair", "redlock")[0]
+    deadline = time.monotonic() + 5
+    while not all(a.zcard(queue) for a in acl_nodes):
+        assert time.monotonic() < deadline, "the waiter never queued"
+        time.sleep(0.01)
+    holder.release()
+    waiter.join(timeout=10)
+    assert got == [2]  # woken by the release (not its 30 s retry), the next token
 
 
 async def test_documented_app_user_locks_from_asyncio(

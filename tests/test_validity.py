@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from harness.held import lock_key
+from harness.held import fence_key, lock_key
 from harness.nodes import NodeSet
 from harness.processes import process_state
 from harness.proxy import FaultProxy
@@ -284,12 +284,20 @@ def test_acquisition_whose_replies_arrive_after_the_ttl_is_refused(
     second.release()
 
 
+def counter_ahead(nodes: NodeSet, resource: str) -> None:
+    """Put node 0's fencing counter ahead of the others': the token an acquisition
+    draws there is the highest, and only one node has it, so it is written back."""
+    with nodes[0].client() as client:
+        client.set(fence_key(resource), 5)
+
+
 def test_fenced_acquisition_slower_than_its_lease_is_refused(
     redlock_settings: dict[str, Any], nodes: NodeSet, proxies: list[FaultProxy]
 ) -> None:
     """Two slow round trips (acquire, then fence) use up the lease: not granted.
 
-    Each reply comes 180 ms late: the first round leaves validity, so the fence
+    One node's counter is ahead, so the token it draws must be written back. Each
+    reply comes 180 ms late: the first round leaves validity, so the fence
     round runs and every node confirms it, but by then 360 ms > TTL - drift
     have passed. The lock is refused and nothing of it stays on the nodes but the
     fencing counter, which never goes down.
@@ -303,6 +311,7 @@ def test_fenced_acquisition_slower_than_its_lease_is_refused(
         drift_factor=DRIFT_FACTOR,
         fencing=True,
     )
+    counter_ahead(nodes, "slow-fence")
     for proxy in proxies:
         proxy.delay(delay)
     start = time.monotonic()
@@ -320,7 +329,7 @@ def test_fenced_acquisition_slower_than_its_lease_is_refused(
     assert holders(nodes, "slow-fence") == [(None, -2)] * len(nodes)
     for node in nodes:
         with node.client() as client:
-            assert client.get(f"{PREFIX}:fence:slow-fence") == b"1"
+            assert client.get(f"{PREFIX}:fence:slow-fence") == b"6"
 
 
 def test_unfenced_acquisition_with_one_slow_round_trip_is_granted(
@@ -357,11 +366,12 @@ def test_too_slow_fenced_acquisition_deletes_its_keys_before_they_expire(
 ) -> None:
     """A refused acquisition unlocks the nodes itself instead of waiting for expiry.
 
-    Requests are delayed by 350 ms and the drift factor is large (0.4, so the
-    drift is 402 ms of a 1 s TTL): the acquire round leaves validity, the fence
-    round does not. The keys landed 350 ms after the start with a 1 s lease, so
-    they would live until 1.35 s; the acquire returns after about 1.05 s
-    (three one-way trips) and by then they are already gone.
+    One node's counter is ahead (so the fence round runs). Requests are delayed
+    by 350 ms and the drift factor is large (0.4, so the drift is 402 ms of a 1 s
+    TTL): the acquire round leaves validity, the fence round does not. The keys
+    landed 350 ms after the start with a 1 s lease, so they would live until
+    1.35 s; the acquire returns after about 1.05 s (three one-way trips) and by
+    then they are already gone.
     """
     ttl, delay, drift_factor = 1.0, 0.35, 0.4
     lock = Redlock(
@@ -374,6 +384,7 @@ def test_too_slow_fenced_acquisition_deletes_its_keys_before_they_expire(
         drift_factor=drift_factor,
         fencing=True,
     )
+    counter_ahead(nodes, "slow-cleanup")
     for proxy in proxies:
         proxy.delay(0.0, requests=delay)
     start = time.monotonic()
