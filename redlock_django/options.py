@@ -8,6 +8,7 @@ and the watchdog need.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -36,6 +37,13 @@ class Config:
     identity: tuple[Any, ...]
 
 
+#: Configs resolved under one settings object, by resource, fencing and the options
+#: given: locks made per request (``Redlock(f"product:{id}")``) resolve once per key.
+#: One tuple, replaced whole, so a thread never files a config under other settings.
+_memo: tuple[RedlockSettings | None, dict[tuple[Any, ...], Config]] = (None, {})
+MEMO_SIZE = 4096
+
+
 def resolve(
     settings: RedlockSettings, resource: str, fencing: bool, given: dict[str, Any]
 ) -> Config:
@@ -43,7 +51,26 @@ def resolve(
 
     Options ``given`` as None are unset and come from the settings. Raises
     ``ValueError`` when the TTL cannot outlast the node timeout and the drift.
+    The result is remembered until the settings change (at most ``MEMO_SIZE``).
     """
+    global _memo
+    key = (resource, fencing, *given.values())
+    owner, memo = _memo
+    if owner is settings:
+        with contextlib.suppress(KeyError, TypeError):  # TypeError: a list option
+            return memo[key]
+    config = _resolve(settings, resource, fencing, given)
+    if owner is not settings or len(memo) >= MEMO_SIZE:
+        memo = {}
+        _memo = (settings, memo)
+    with contextlib.suppress(TypeError):
+        memo[key] = config
+    return config
+
+
+def _resolve(
+    settings: RedlockSettings, resource: str, fencing: bool, given: dict[str, Any]
+) -> Config:
     merged = dataclasses.replace(
         settings, **{name: v for name, v in given.items() if v is not None}
     )

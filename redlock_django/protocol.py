@@ -69,6 +69,8 @@ _GRACE = 0.001
 #: Seconds a fair lock's queue entry lives unless its waiter refreshes it (every
 #: third of it): a waiter that died or froze holds its place no longer than this.
 QUEUE_LIFE = 2.0
+#: How long after the first entry's expiry a waiter behind it tries again.
+BEHIND_SLACK = 0.01
 
 
 def grace(elapsed: float) -> float:
@@ -134,9 +136,23 @@ def refused(value: Any) -> bool:
 
 def queued_with(value: Any) -> int | None:
     """The ticket a FAIR_ACQUIRE refusal queued the waiter with, if it did."""
-    if isinstance(value, list) and len(value) == 2 and _ticketed(value[1]):
+    if isinstance(value, list) and len(value) >= 2 and _ticketed(value[1]):
         return int(value[1])
     return None
+
+
+def behind_for(spec: LockSpec, replies: Replies) -> float | None:
+    """When a majority of FAIR_ACQUIRE refusals put another waiter ahead of this
+    one: the seconds until that first entry expires unless refreshed (the
+    soonest any node reports). None when this waiter may be first in line."""
+    left = [
+        r.value[3]
+        for r in replies
+        if isinstance(r.value, list) and len(r.value) >= 4 and r.value[2] >= 1
+    ]
+    if len(left) < spec.quorum:
+        return None
+    return max(0.0, float(min(left))) / 1000
 
 
 def confirmed(value: Any) -> bool:
@@ -519,6 +535,14 @@ def acquire_flow(
                     why = "held by another owner, no wait"
                 raise _error(LockContentionError, spec, why, len(won), failed)
             delay = retry_delay(spec, rand)
+            if place is not None and (ahead := behind_for(spec, replies)) is not None:
+                # Someone is ahead in the queue: it must take the lock before this
+                # waiter can, and the release that lets this one in wakes it. Only
+                # the first in line retries at the retry delay (a holder that died
+                # is found by its retries); this one checks again once per entry
+                # refresh, or just after the first entry expires if it stops
+                # being refreshed (a dead waiter).
+                delay = max(delay, min(QUEUE_LIFE / 3, ahead + BEHIND_SLACK))
             if deadline is not None:
                 delay = min(delay, deadline - now)
             if place is None:

@@ -191,10 +191,12 @@ return redis.call('zrem', KEYS[1], ARGV[1])
 # KEYS[4] ticket counter; KEYS[5] (optional) fencing counter; ARGV[1-3] as ACQUIRE;
 # ARGV[4] waiter id; ARGV[5] entry life in ms, or 0.
 # A free key is granted only when the queue's first live entry is ARGV[4] or the
-# queue is empty; otherwise it returns -2 and writes no lock (not our turn). A
-# refusal (-1 or -2) with ARGV[5] > 0 also queues the waiter as ENQUEUE draws (or
-# finds its entry, a resent command) and returns {-1 or -2, its ticket}: a waiter's
-# first attempt takes its place in the same round trip.
+# queue is empty; otherwise it writes no lock (not our turn: -2). A refusal returns
+# {-1 or -2, the waiter's ticket (0: not queued here), how many entries are ahead
+# of it (-1: not queued), the ms until the first entry expires unless refreshed}.
+# With ARGV[5] > 0 it also queues the waiter as ENQUEUE draws (or finds its entry,
+# a resent command): a waiter's first attempt takes its place in the same round
+# trip.
 FAIR_ACQUIRE_SCRIPT = Script(
     "fair_acquire",
     _read_fence(5)
@@ -202,19 +204,24 @@ FAIR_ACQUIRE_SCRIPT = Script(
     + """
 local function refuse(code)
   local life = tonumber(ARGV[5])
-  if life <= 0 then
-    return code
-  end
   local ticket = tonumber(redis.call('zscore', KEYS[2], ARGV[4]) or '0')
-  if ticket == 0 then
-    ticket = redis.call('incr', KEYS[4])
-    redis.call('zadd', KEYS[2], ticket, ARGV[4])
+  if life > 0 then
+    if ticket == 0 then
+      ticket = redis.call('incr', KEYS[4])
+      redis.call('zadd', KEYS[2], ticket, ARGV[4])
+    end
+    redis.call('zadd', KEYS[3], now + life, ARGV[4])
+    for i = 2, 4 do
+      redis.call('pexpire', KEYS[i], life * 4)
+    end
   end
-  redis.call('zadd', KEYS[3], now + life, ARGV[4])
-  for i = 2, 4 do
-    redis.call('pexpire', KEYS[i], life * 4)
+  local rank = redis.call('zrank', KEYS[2], ARGV[4]) or -1
+  local first = redis.call('zrange', KEYS[2], 0, 0)[1]
+  local left = -1
+  if first then
+    left = tonumber(redis.call('zscore', KEYS[3], first) or '0') - now
   end
-  return {code, ticket}
+  return {code, ticket, rank, left}
 end
 """
     + _READ_OWNER

@@ -133,6 +133,33 @@ def test_a_newcomer_does_not_take_a_free_lock_from_a_queued_waiter(
     barger.release()
 
 
+def test_only_the_first_waiter_retries_at_the_retry_delay(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    spawn: Callable[..., Any],
+    hold: Callable[..., Redlock],
+) -> None:
+    """Three waiters with a 50 ms retry delay wait 2 s behind a holder. The first
+    in line retries every 50 ms (a holder that died is found by its retries); those
+    behind it cannot get the lock before it does, so they retry about once per
+    entry refresh (QUEUE_LIFE / 3), and are still served in order."""
+    holder = hold("fair:behind", fair=True)
+    procs = []
+    for k, name in enumerate("abc", start=1):
+        procs.append(spawn(name, "fair:behind", "--retry-delay", "0.05"))
+        _wait_until_queued(nodes, "fair:behind", k)
+    time.sleep(2.0)
+    holder.release()
+    results = {r["name"]: r for r in map(_result, procs)}
+    assert [results[n]["event"] for n in "abc"] == ["acquired"] * 3
+    assert sorted("abc", key=lambda n: results[n]["at"]) == list("abc")
+    # a: ~40 timed retries in 2 s. b and c: about one per 0.67 s, plus the ones
+    # after a's and b's turns (a 50 ms hold each, when they are first in line).
+    assert results["a"]["attempts"] > 20, results
+    for name in "bc":
+        assert results[name]["attempts"] <= 10, results
+
+
 @pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
 def test_a_dead_or_frozen_first_waiter_delays_the_next_by_at_most_its_queue_entry(
     fault: str,

@@ -21,6 +21,7 @@ from redlock_django.protocol import (
     NodeReply,
     Sleep,
     acquire_flow,
+    behind_for,
     drift,
     extend_flow,
     has_quorum,
@@ -423,6 +424,17 @@ def test_fencing_write_back_confirmed_by_a_minority_fails_the_attempt() -> None:
             clock,
         )
     assert info.value.granted == 1
+
+
+def test_a_fair_waiter_behind_others_waits_for_the_first_entry() -> None:
+    fair = spec()
+    # [code, ticket, entries ahead, ms until the first entry expires]
+    behind = ok([-1, 7, 2, 1500], [-1, 7, 1, 900], [-1, 7, 2, 1400], [-2, 7, 0, 0], -1)
+    assert behind_for(fair, behind) == 0.9  # the soonest a node reports
+    first = ok([-1, 7, 0, 0], [-1, 7, 0, 0], [-1, 7, 2, 800], [-1, 7, 1, 80], -1)
+    assert behind_for(fair, first) is None  # only two say someone is ahead
+    expired = ok(*([[-2, 7, 1, -40]] * 5))
+    assert behind_for(fair, expired) == 0.0  # the first entry is past its life
 
 
 def lease(valid_until: float) -> Lease:
