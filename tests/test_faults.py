@@ -300,11 +300,14 @@ def test_retries_are_jittered_apart_between_competing_clients(
 ) -> None:
     """Two clients waiting on a held lock retry at delays drawn from
     [RETRY_DELAY, RETRY_DELAY + RETRY_JITTER]; seen on a node's MONITOR, their
-    retry gaps are not equal, so they do not stay in lock-step."""
+    retry gaps are not equal, so they do not stay in lock-step. (Barging locks,
+    also under ``make test-fair``: of a fair lock's waiters only the first in line
+    retries at the retry delay, test_fair.py.)"""
     settings.REDLOCK = {
         **redlock_settings,
         "RETRY_DELAY": 0.01,
         "RETRY_JITTER": 0.04,
+        "FAIR": False,
     }
     holder = Redlock("jitter")
     assert holder.acquire(blocking=False)
