@@ -64,6 +64,27 @@ def spawn(nodes: NodeSet) -> Iterator[Callable[..., subprocess.Popen[str]]]:
         proc.communicate(timeout=10)
 
 
+@pytest.fixture
+def line_up(
+    nodes: NodeSet, spawn: Callable[..., Any], hold: Callable[..., Redlock]
+) -> Callable[..., tuple[Redlock, list[subprocess.Popen[str]]]]:
+    """``line_up(resource, names, retry_delay)``: hold ``resource`` (fair) here, then
+    start one waiter process per name, each queued on every node before the next.
+    Returns the holder and the processes."""
+
+    def start(
+        resource: str, names: str, retry_delay: float = SLOW_RETRY
+    ) -> tuple[Redlock, list[subprocess.Popen[str]]]:
+        holder = hold(resource, fair=True)
+        procs = []
+        for k, name in enumerate(names, start=1):
+            procs.append(spawn(name, resource, "--retry-delay", str(retry_delay)))
+            _wait_until_queued(nodes, resource, k)
+        return holder, procs
+
+    return start
+
+
 def _queued(nodes: NodeSet, resource: str) -> list[int]:
     """Per node, how many entries the resource's queue holds."""
     queue = queue_keys(resource, "redlock")[0]
@@ -100,30 +121,18 @@ def _assert_served_in_order_each_woken(
 
 
 def test_waiters_in_other_processes_get_the_lock_in_the_order_they_queued(
-    redlock_settings: dict[str, Any],
-    nodes: NodeSet,
-    spawn: Callable[..., Any],
-    hold: Callable[..., Redlock],
+    redlock_settings: dict[str, Any], nodes: NodeSet, line_up: Callable[..., Any]
 ) -> None:
-    holder = hold("fair:order", fair=True)
-    procs = []
-    for k, name in enumerate("abcd", start=1):
-        procs.append(spawn(name, "fair:order", "--retry-delay", str(SLOW_RETRY)))
-        _wait_until_queued(nodes, "fair:order", k)
+    holder, procs = line_up("fair:order", "abcd")
     holder.release()
     _assert_served_in_order_each_woken(procs, "abcd")
     assert _queued(nodes, "fair:order") == [0] * len(nodes)
 
 
 def test_a_newcomer_does_not_take_a_free_lock_from_a_queued_waiter(
-    redlock_settings: dict[str, Any],
-    nodes: NodeSet,
-    spawn: Callable[..., Any],
-    hold: Callable[..., Redlock],
+    redlock_settings: dict[str, Any], line_up: Callable[..., Any]
 ) -> None:
-    holder = hold("fair:barge", fair=True)
-    waiter = spawn("a", "fair:barge", "--retry-delay", str(SLOW_RETRY))
-    _wait_until_queued(nodes, "fair:barge", 1)
+    holder, [waiter] = line_up("fair:barge", "a")
     os.kill(waiter.pid, signal.SIGSTOP)  # queued, and cannot take its turn
     holder.release()
     assert not Redlock("fair:barge", fair=True).acquire(blocking=False)
@@ -134,20 +143,13 @@ def test_a_newcomer_does_not_take_a_free_lock_from_a_queued_waiter(
 
 
 def test_only_the_first_waiter_retries_at_the_retry_delay(
-    redlock_settings: dict[str, Any],
-    nodes: NodeSet,
-    spawn: Callable[..., Any],
-    hold: Callable[..., Redlock],
+    redlock_settings: dict[str, Any], line_up: Callable[..., Any]
 ) -> None:
     """Three waiters with a 50 ms retry delay wait 2 s behind a holder. The first
     in line retries every 50 ms (a holder that died is found by its retries); those
     behind it cannot get the lock before it does, so they retry about once per
     entry refresh (QUEUE_LIFE / 3), and are still served in order."""
-    holder = hold("fair:behind", fair=True)
-    procs = []
-    for k, name in enumerate("abc", start=1):
-        procs.append(spawn(name, "fair:behind", "--retry-delay", "0.05"))
-        _wait_until_queued(nodes, "fair:behind", k)
+    holder, procs = line_up("fair:behind", "abc", 0.05)
     time.sleep(2.0)
     holder.release()
     results = {r["name"]: r for r in map(_result, procs)}
@@ -166,11 +168,9 @@ def test_a_dead_or_frozen_first_waiter_delays_the_next_by_at_most_its_queue_entr
     redlock_settings: dict[str, Any],
     nodes: NodeSet,
     spawn: Callable[..., Any],
-    hold: Callable[..., Redlock],
+    line_up: Callable[..., Any],
 ) -> None:
-    holder = hold("fair:dead", fair=True)
-    first = spawn("first", "fair:dead", "--retry-delay", str(SLOW_RETRY))
-    _wait_until_queued(nodes, "fair:dead", 1)
+    holder, [first] = line_up("fair:dead", "f")
     second = spawn("second", "fair:dead")
     _wait_until_queued(nodes, "fair:dead", 2)
     os.kill(first.pid, getattr(signal, fault))
@@ -191,18 +191,13 @@ def test_a_node_restarted_empty_or_a_frozen_minority_keeps_the_queue_order(
     fault: str,
     redlock_settings: dict[str, Any],
     nodes: NodeSet,
-    spawn: Callable[..., Any],
-    hold: Callable[..., Redlock],
+    line_up: Callable[..., Any],
 ) -> None:
     """Four waiters queued on every node; then node 0 is killed and started again
     empty (released at once, or once the waiters' refreshes rebuilt its queue), or
     nodes 0 and 1 are frozen with SIGSTOP. The majority keeps the order: the
     waiters are served a, b, c, d, each woken by the release before it."""
-    holder = hold("fair:nodes", fair=True)
-    procs = []
-    for k, name in enumerate("abcd", start=1):
-        procs.append(spawn(name, "fair:nodes", "--retry-delay", str(SLOW_RETRY)))
-        _wait_until_queued(nodes, "fair:nodes", k)
+    holder, procs = line_up("fair:nodes", "abcd")
     if fault == "minority-frozen":
         for node in nodes[:2]:
             node.pause()
