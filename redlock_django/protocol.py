@@ -629,7 +629,9 @@ def _settle_place(
 def _leave(spec: LockSpec, place: _Place) -> Fanout:
     """Take a waiter that gives up out of the queue on every node, at once."""
     assert spec.queue is not None
-    return Fanout(DEQUEUE_SCRIPT, spec.queue[:2], (place.waiter,), critical=True)
+    keys = (*spec.queue[:2], spec.key)
+    args = (place.waiter, release_id(f"left {place.waiter}"))
+    return Fanout(DEQUEUE_SCRIPT, keys, args, critical=True)
 
 
 def _wait_in_queue(

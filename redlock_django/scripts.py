@@ -175,15 +175,32 @@ return ticket
 """,
 )
 
-# KEYS[1] queue; KEYS[2] waiters
-# ARGV[1] waiter id
+# KEYS[1] queue; KEYS[2] waiters; KEYS[3] (optional) the lock key
+# ARGV[1] waiter id; ARGV[2] (with KEYS[3]) an id for the wake-up message
 # returns 1 when the entry was there. A waiter that gives up leaves at once, so a
-# fair queue does not wait out its entry.
+# fair queue does not wait out its entry. One that was first in line while the lock
+# is free (a release named it, then it gave up) wakes the next live waiter the way
+# a release would, or that waiter would sleep out its retry.
 DEQUEUE_SCRIPT = Script(
     "dequeue",
-    """
+    _NOW_MS
+    + """
+local q, w = 1, 2
+"""
+    + _LIVE_HEAD_AT_NOW
+    + """
+local was_first = head == ARGV[1]
 redis.call('zrem', KEYS[2], ARGV[1])
-return redis.call('zrem', KEYS[1], ARGV[1])
+local left = redis.call('zrem', KEYS[1], ARGV[1])
+if KEYS[3] and was_first and redis.call('pttl', KEYS[3]) == -2 then
+"""
+    + _LIVE_HEAD_AT_NOW
+    + """
+  if head then
+    redis.pcall('publish', KEYS[3], ARGV[2] .. ' ' .. head)
+  end
+end
+return left
 """,
 )
 

@@ -184,6 +184,31 @@ def test_a_dead_or_frozen_first_waiter_delays_the_next_by_at_most_its_queue_entr
     assert got["at"] - stopped < QUEUE_LIFE + 0.5, got["at"] - stopped
 
 
+def test_a_first_waiter_that_gives_up_while_the_lock_is_free_wakes_the_next(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    spawn: Callable[..., Any],
+    line_up: Callable[..., Any],
+) -> None:
+    """The release named the first waiter, which hears nothing (no wake-ups) and
+    then gives up (SIGINT) with the lock free: its leaving wakes the next waiter,
+    which otherwise sleeps out its 30 s retry (someone was ahead of it)."""
+    holder, _ = line_up("fair:gone", "")
+    first = spawn("a", "fair:gone", "--retry-delay", "30", "--no-wake-ups")
+    _wait_until_queued(nodes, "fair:gone", 1)
+    second = spawn("b", "fair:gone", "--retry-delay", str(SLOW_RETRY))
+    _wait_until_queued(nodes, "fair:gone", 2)
+    holder.release()  # names a, which does not hear it
+    time.sleep(0.2)
+    os.kill(first.pid, signal.SIGINT)
+    gave_up = time.monotonic()
+    assert _result(first)["event"] == "interrupted"
+    got = _result(second)
+    assert got["event"] == "acquired"
+    assert got["wakeups"] == got["attempts"] - 1, (got, got["at"] - gave_up)
+    assert got["at"] - gave_up < 5, got["at"] - gave_up
+
+
 @pytest.mark.parametrize(
     "fault", ["restarted-empty", "restarted-empty-then-rebuilt", "minority-frozen"]
 )
