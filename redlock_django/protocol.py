@@ -441,11 +441,16 @@ def acquire_flow(
             extra: tuple[Any, ...] = ()
             queueing = False
             if place is not None:
-                # The first attempt that may wait also takes a place if refused.
+                # The first attempt that may wait also takes a place if refused;
+                # once it has one, each attempt refreshes it.
                 queueing = place.ticket is None and wait != 0
-                extra = (place.waiter, ttl_ms(QUEUE_LIFE) if queueing else 0)
                 if queueing:
+                    extra = (place.waiter, ttl_ms(QUEUE_LIFE), 0)
                     place.ticket = 0  # from here on, giving up must leave
+                elif place.ticket:
+                    extra = (place.waiter, ttl_ms(QUEUE_LIFE), place.ticket)
+                else:
+                    extra = (place.waiter, 0)
             start = clock()
             try:
                 replies: Replies = yield Fanout(
@@ -509,9 +514,12 @@ def acquire_flow(
             )
             if suspect:
                 yield _cleanup(spec, mine, suspect)
-            if queueing and place is not None:
+            if place is not None:
                 tickets = [t for t in map(queued_with, (r.value for r in replies)) if t]
-                yield from _settle_place(spec, place, tickets, clock)
+                if queueing:
+                    yield from _settle_place(spec, place, tickets, clock)
+                elif place.ticket and tickets.count(place.ticket) >= spec.quorum:
+                    place.refresh_at = start + QUEUE_LIFE / 3  # this attempt did it
             most = spec.node_count - spec.quorum
             down = sum(1 for why in failed.values() if not why.startswith(LATE))
             if down > most:
@@ -539,10 +547,11 @@ def acquire_flow(
                 # Someone is ahead in the queue: it must take the lock before this
                 # waiter can, and the release that lets this one in wakes it. Only
                 # the first in line retries at the retry delay (a holder that died
-                # is found by its retries); this one checks again once per entry
-                # refresh, or just after the first entry expires if it stops
-                # being refreshed (a dead waiter).
-                delay = max(delay, min(QUEUE_LIFE / 3, ahead + BEHIND_SLACK))
+                # is found by its retries); this one checks again when its entry
+                # is due for a refresh (the attempt refreshes it), or just after
+                # the first entry expires if that one stopped being refreshed.
+                due = place.refresh_at - now if place.ticket else QUEUE_LIFE / 3
+                delay = max(delay, min(due, ahead + BEHIND_SLACK))
             if deadline is not None:
                 delay = min(delay, deadline - now)
             if place is None:
@@ -650,11 +659,11 @@ def _wait_in_queue(
             nap = min(nap, place.refresh_at - clock())
         if (yield Sleep(max(0.0, nap), spec.key, place.waiter, since)) is True:
             return True
+        if clock() >= try_at:
+            return False  # the attempt refreshes the entry too
         if place.ticket and clock() >= place.refresh_at:
             yield _enqueue(spec, place, place.ticket)
             place.refresh_at = clock() + QUEUE_LIFE / 3
-        if clock() >= try_at:
-            return False
 
 
 def extend_flow(

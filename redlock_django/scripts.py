@@ -206,14 +206,15 @@ return left
 
 # As ACQUIRE, for a fair lock: KEYS[1] lock key; KEYS[2] queue; KEYS[3] waiters;
 # KEYS[4] ticket counter; KEYS[5] (optional) fencing counter; ARGV[1-3] as ACQUIRE;
-# ARGV[4] waiter id; ARGV[5] entry life in ms, or 0.
+# ARGV[4] waiter id; ARGV[5] entry life in ms, or 0; ARGV[6] (optional) its ticket.
 # A free key is granted only when the queue's first live entry is ARGV[4] or the
 # queue is empty; otherwise it writes no lock (not our turn: -2). A refusal returns
 # {-1 or -2, the waiter's ticket (0: not queued here), how many entries are ahead
 # of it (-1: not queued), the ms until the first entry expires unless refreshed}.
-# With ARGV[5] > 0 it also queues the waiter as ENQUEUE draws (or finds its entry,
-# a resent command): a waiter's first attempt takes its place in the same round
-# trip.
+# With ARGV[5] > 0 it also queues the waiter, or refreshes its entry, as ENQUEUE
+# does: with the ticket ARGV[6] when given (a waiter that has its place), else
+# drawing one (or finding its entry, a resent command). A waiter's first attempt
+# takes its place in the same round trip, and each later one keeps it fresh.
 FAIR_ACQUIRE_SCRIPT = Script(
     "fair_acquire",
     _read_fence(5)
@@ -223,7 +224,16 @@ local function refuse(code)
   local life = tonumber(ARGV[5])
   local ticket = tonumber(redis.call('zscore', KEYS[2], ARGV[4]) or '0')
   if life > 0 then
-    if ticket == 0 then
+    local mine = tonumber(ARGV[6] or '0')
+    if mine > 0 then
+      if ticket ~= mine then
+        redis.call('zadd', KEYS[2], mine, ARGV[4])
+        if tonumber(redis.call('get', KEYS[4]) or '0') < mine then
+          redis.call('set', KEYS[4], mine)
+        end
+        ticket = mine
+      end
+    elseif ticket == 0 then
       ticket = redis.call('incr', KEYS[4])
       redis.call('zadd', KEYS[2], ticket, ARGV[4])
     end

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ from harness.nodes import NodeSet
 from redlock_django import Redlock
 from redlock_django.keys import lock_key, queue_keys
 from redlock_django.protocol import QUEUE_LIFE
+from redlock_django.scripts import ENQUEUE_SCRIPT, FAIR_ACQUIRE_SCRIPT
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
@@ -100,6 +102,30 @@ def _wait_until_queued(nodes: NodeSet, resource: str, count: int) -> None:
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def _monitor(node: Any) -> Iterator[list[str]]:
+    """The commands ``node`` runs while the block runs (its MONITOR lines)."""
+    lines: list[str] = []
+    sock = socket.create_connection(("127.0.0.1", node.port), timeout=2.0)
+    sock.sendall(b"MONITOR\r\n")
+    sock.settimeout(None)
+
+    def read() -> None:
+        pending = b""
+        while data := sock.recv(65536):
+            *complete, pending = (pending + data).split(b"\r\n")
+            lines.extend(line.decode(errors="replace") for line in complete)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield lines
+    finally:
+        sock.shutdown(socket.SHUT_RDWR)
+        reader.join(2)
+        sock.close()
+
+
 def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
@@ -160,6 +186,25 @@ def test_only_the_first_waiter_retries_at_the_retry_delay(
     assert results["a"]["attempts"] > 20, results
     for name in "bc":
         assert results[name]["attempts"] <= 10, results
+
+
+def test_waiting_fair_waiters_keep_their_places_fresh_with_their_attempts(
+    redlock_settings: dict[str, Any], nodes: NodeSet, line_up: Callable[..., Any]
+) -> None:
+    """Two waiters (50 ms retry delay) wait 3 s, longer than a queue entry lives
+    unrefreshed: both stay queued on every node, and no separate refresh (ENQUEUE)
+    reaches a node: the first in line's retries and the second's checks at its
+    refresh time rewrite their entries."""
+    holder, procs = line_up("fair:fresh", "ab", 0.05)
+    with _monitor(nodes[0]) as lines:
+        time.sleep(QUEUE_LIFE + 1.0)
+    assert _queued(nodes, "fair:fresh") == [2] * len(nodes)
+    enqueues = [line for line in lines if f'"{ENQUEUE_SCRIPT.sha}"' in line]
+    attempts = [line for line in lines if f'"{FAIR_ACQUIRE_SCRIPT.sha}"' in line]
+    assert len(attempts) > 10, len(attempts)
+    assert enqueues == [], enqueues[:3]
+    holder.release()
+    assert [_result(proc)["event"] for proc in procs] == ["acquired"] * 2
 
 
 @pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
