@@ -71,6 +71,7 @@ if KEYS[{n}] then
   if not string.match(raw, '^%-?%d+$') then
     return redis.error_reply('fencing counter ' .. KEYS[{n}] .. ' is not a number')
   end
+  fence = tonumber(raw)
 end
 """
 
@@ -88,11 +89,13 @@ end
 
 
 # Writes the lock; with a fencing counter (KEYS[n]) it raises it by one and records
-# the new value on the lock. Returns that value (0 without fencing).
+# the new value on the lock. Returns that value (0 without fencing). GET and SET,
+# not INCR: the app user's ACL of earlier versions has no INCR.
 def _grant(n: int) -> str:
     return f"""
 if KEYS[{n}] then
-  fence = redis.call('incr', KEYS[{n}])
+  fence = fence + 1
+  redis.call('set', KEYS[{n}], fence)
   redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3], 'fence', fence)
 else
   redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])

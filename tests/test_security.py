@@ -417,6 +417,26 @@ def test_documented_app_user_can_queue_for_a_fair_lock_and_be_served(
     assert got == [2]  # woken by the release (not its 30 s retry), the next token
 
 
+def test_an_app_user_without_the_fair_lock_commands_still_takes_fenced_locks(
+    settings: Any, acl_nodes: list[redis.Redis]
+) -> None:
+    """The documented user minus what only fair locks need (the ACL of earlier
+    versions): plain and fenced locks work, so an upgrade needs no ACL change."""
+    fair_only = {"+incr", "+time", "+zadd", "+zrank", "+zrem", "+zrange"}
+    fair_only |= {"+zrangebyscore", "+zscore"}
+    rules = [r for r in documented_acl("redlock-app") if r not in fair_only]
+    rules = ["no-fair" if r == "redlock-app" else r for r in rules]
+    rules = [">no-fair-pw" if r == ">CHANGE-ME" else r for r in rules]
+    for admin in acl_nodes:
+        admin.execute_command("ACL", "SETUSER", *rules)
+    settings.REDLOCK = lock_settings(acl_urls(acl_nodes, "no-fair:no-fair-pw"))
+    tokens = []
+    for _ in range(2):
+        with Redlock("acl:fenced", fencing=True) as lock:
+            tokens.append(lock.fencing_token)
+    assert tokens == [1, 2]
+
+
 async def test_documented_app_user_locks_from_asyncio(
     settings: Any, acl_nodes: list[redis.Redis]
 ) -> None:
