@@ -4,8 +4,7 @@ It configures Django itself with the node URLs it is given, acquires ``--resourc
 with ``fair=True`` (waiting up to ``--timeout``), prints one JSON line when it got
 the lock (``at``: CLOCK_MONOTONIC, system-wide on Linux; ``attempts`` and
 ``wakeups`` from the ``lock_acquired`` signal), holds it ``--hold`` seconds,
-releases it and exits. A wait that runs out prints ``{"event": "gave up"}``, one
-ended by SIGINT ``{"event": "interrupted"}``.
+releases it and exits. A wait that runs out prints ``{"event": "gave up"}``.
 """
 
 from __future__ import annotations
@@ -25,9 +24,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--hold", type=float, default=0.05)
     parser.add_argument("--retry-delay", type=float, default=0.05)
-    parser.add_argument(
-        "--no-wake-ups", action="store_true", help="WAKE_UPS False: timer only"
-    )
     args = parser.parse_args(argv)
 
     import django
@@ -42,7 +38,6 @@ def main(argv: list[str]) -> int:
             "RETRY_DELAY": args.retry_delay,
             "RETRY_JITTER": 0,
             "FAIR": True,
-            "WAKE_UPS": not args.no_wake_ups,
         },
     )
     django.setup()
@@ -55,12 +50,7 @@ def main(argv: list[str]) -> int:
 
     signals.lock_acquired.connect(on_acquired, weak=False)
     lock = Redlock(args.resource)
-    try:
-        got_it = lock.acquire(timeout=args.timeout)
-    except KeyboardInterrupt:  # SIGINT while waiting: it gave up, and left
-        print(json.dumps({"event": "interrupted", "name": args.name}), flush=True)
-        return 0
-    if not got_it:
+    if not lock.acquire(timeout=args.timeout):
         print(json.dumps({"event": "gave up", "name": args.name}), flush=True)
         return 0
     at = time.monotonic()

@@ -10,6 +10,7 @@ release that named it. Faults come from outside: SIGSTOP and SIGKILL of a waiter
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -230,25 +231,43 @@ def test_a_dead_or_frozen_first_waiter_delays_the_next_by_at_most_its_queue_entr
 
 
 def test_a_first_waiter_that_gives_up_while_the_lock_is_free_wakes_the_next(
+    settings: Any,
     redlock_settings: dict[str, Any],
     nodes: NodeSet,
     spawn: Callable[..., Any],
-    line_up: Callable[..., Any],
+    hold: Callable[..., Redlock],
 ) -> None:
-    """The release named the first waiter, which hears nothing (no wake-ups) and
-    then gives up (SIGINT) with the lock free: its leaving wakes the next waiter,
-    which otherwise sleeps out its 30 s retry (someone was ahead of it)."""
-    holder, _ = line_up("fair:gone", "")
-    first = spawn("a", "fair:gone", "--retry-delay", "30", "--no-wake-ups")
-    _wait_until_queued(nodes, "fair:gone", 1)
-    second = spawn("b", "fair:gone", "--retry-delay", str(SLOW_RETRY))
-    _wait_until_queued(nodes, "fair:gone", 2)
-    holder.release()  # names a, which does not hear it
-    time.sleep(0.2)
-    os.kill(first.pid, signal.SIGINT)
-    gave_up = time.monotonic()
-    assert _result(first)["event"] == "interrupted"
-    got = _result(second)
+    """The release names the first waiter (an asyncio task here, in a process
+    without wake-ups, so it hears nothing); it then gives up (cancelled) with the
+    lock free. Its leaving wakes the next waiter (another process), which otherwise
+    sleeps out its 30 s retry: someone was ahead of it."""
+    holder = hold("fair:gone", fair=True)
+    settings.REDLOCK = {**redlock_settings, "WAKE_UPS": False}
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        first = asyncio.run_coroutine_threadsafe(
+            Redlock("fair:gone", fair=True, retry_delay=SLOW_RETRY).aacquire(
+                timeout=20
+            ),
+            loop,
+        )
+        _wait_until_queued(nodes, "fair:gone", 1)
+        second = spawn("b", "fair:gone", "--retry-delay", str(SLOW_RETRY))
+        _wait_until_queued(nodes, "fair:gone", 2)
+        holder.release()  # names the first, which does not hear it
+        time.sleep(0.2)
+        assert not first.done(), first  # still waiting: it made no attempt
+        first.cancel()
+        gave_up = time.monotonic()
+        with pytest.raises(concurrent.futures.CancelledError):
+            first.result(timeout=5)
+        got = _result(second)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
     assert got["event"] == "acquired"
     assert got["wakeups"] == got["attempts"] - 1, (got, got["at"] - gave_up)
     assert got["at"] - gave_up < 5, got["at"] - gave_up
