@@ -54,7 +54,7 @@ def resolve(
     The result is remembered until the settings change (at most ``MEMO_SIZE``).
     """
     global _memo
-    key = (resource, fencing, *given.values())
+    key = (resource, fencing, *given.items())
     owner, memo = _memo
     if owner is settings:
         with contextlib.suppress(KeyError, TypeError):  # TypeError: a list option

@@ -13,6 +13,7 @@ from redis.connection import Connection, SSLConnection, UnixDomainSocketConnecti
 from redlock_django import checks, conf
 from redlock_django.address import NodeSpec, connection_params, parse_node
 from redlock_django.conf import get_settings
+from redlock_django.options import resolve
 
 FIVE_NODES = [f"redis://10.0.0.{i}:6379/0" for i in range(1, 6)]
 SECRET = "s3cret-pw"
@@ -74,6 +75,26 @@ def test_get_settings_is_cached_until_the_setting_changes(settings: Any) -> None
     settings.REDLOCK = {"NODES": FIVE_NODES, "TTL": 7.0}
 
     assert get_settings().ttl == 7.0
+
+
+def test_resolved_lock_configs_are_remembered_per_settings_and_options(
+    settings: Any,
+) -> None:
+    """Equal values given for different options, or new settings, get their own
+    config; the same request gets the remembered one."""
+    settings.REDLOCK = {"NODES": FIVE_NODES, "TTL": 5.0}
+    first = get_settings()
+    ttl = resolve(first, "r", False, {"ttl": 2.0})
+    assert resolve(first, "r", False, {"ttl": 2.0}) is ttl
+    delay = resolve(first, "r", False, {"retry_delay": 2.0})
+    assert (ttl.spec.ttl, ttl.spec.retry_delay) == (2.0, first.retry_delay)
+    assert (delay.spec.ttl, delay.spec.retry_delay) == (5.0, 2.0)
+    fenced = resolve(first, "r", True, {"ttl": 2.0})
+    assert fenced.spec.fence_key is not None and ttl.spec.fence_key is None
+
+    settings.REDLOCK = {"NODES": FIVE_NODES, "TTL": 7.0, "KEY_PREFIX": "other"}
+    again = resolve(get_settings(), "r", False, {"retry_delay": 2.0})
+    assert (again.spec.ttl, again.spec.key) == (7.0, "other:lock:r")
 
 
 def test_get_settings_follows_override_settings_and_restores_after() -> None:
