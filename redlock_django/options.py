@@ -37,10 +37,25 @@ class Config:
     identity: tuple[Any, ...]
 
 
+@dataclass(frozen=True)
+class _Merged:
+    """The settings with one set of options in place, and what every key shares."""
+
+    settings: RedlockSettings
+    node_names: tuple[str, ...]
+    node_identities: tuple[Any, ...]
+
+
 #: Configs resolved under one settings object, by resource, fencing and the options
 #: given: locks made per request (``Redlock(f"product:{id}")``) resolve once per key.
+#: Beside them, the settings merged with each set of options given, which every
+#: resource shares: a new key costs its keys and specs, not a merge.
 #: One tuple, replaced whole, so a thread never files a config under other settings.
-_memo: tuple[RedlockSettings | None, dict[tuple[Any, ...], Config]] = (None, {})
+_memo: tuple[
+    RedlockSettings | None,
+    dict[tuple[Any, ...], Config],
+    dict[tuple[Any, ...], _Merged],
+] = (None, {}, {})
 MEMO_SIZE = 4096
 
 
@@ -54,40 +69,63 @@ def resolve(
     The result is remembered until the settings change (at most ``MEMO_SIZE``).
     """
     global _memo
-    key = (resource, fencing, *given.items())
-    owner, memo = _memo
+    options = tuple(given.items())
+    key = (resource, fencing, options)
+    owner, memo, merges = _memo
     if owner is settings:
         with contextlib.suppress(KeyError, TypeError):  # TypeError: a list option
             return memo[key]
-    config = _resolve(settings, resource, fencing, given)
-    if owner is not settings or len(memo) >= MEMO_SIZE:
-        memo = {}
-        _memo = (settings, memo)
+    else:
+        memo, merges = {}, {}
+        _memo = (settings, memo, merges)
+    try:
+        merged = merges.get(options)
+    except TypeError:
+        merged = None
+    if merged is None:
+        merged = _merge(settings, given)
+        with contextlib.suppress(TypeError):
+            if len(merges) >= MEMO_SIZE:
+                merges.clear()
+            merges[options] = merged
+    config = _resolve(merged, resource, fencing)
     with contextlib.suppress(TypeError):
+        if len(memo) >= MEMO_SIZE:
+            memo.clear()
         memo[key] = config
     return config
 
 
-def _resolve(
-    settings: RedlockSettings, resource: str, fencing: bool, given: dict[str, Any]
-) -> Config:
+def _merge(settings: RedlockSettings, given: dict[str, Any]) -> _Merged:
+    """The settings with the options ``given`` (those not None) in their place."""
     merged = dataclasses.replace(
         settings, **{name: v for name, v in given.items() if v is not None}
     )
-    ttl, node_timeout = merged.ttl, merged.node_timeout
-    drift_factor = merged.drift_factor
-    if validity(ttl, node_timeout, drift_factor) <= 0:
+    if validity(merged.ttl, merged.node_timeout, merged.drift_factor) <= 0:
         # Even a reply at the node timeout would leave no validity: every
         # attempt would be refused as too slow. Say so before sending anything.
+        ttl, drift_factor = merged.ttl, merged.drift_factor
         raise ValueError(
-            f"ttl ({ttl}s) leaves no validity after node_timeout ({node_timeout}s) "
-            f"and the clock drift allowance ({drift(ttl, drift_factor):.3f}s)"
+            f"ttl ({ttl}s) leaves no validity after node_timeout "
+            f"({merged.node_timeout}s) and the clock drift allowance "
+            f"({drift(ttl, drift_factor):.3f}s)"
         )
+    return _Merged(
+        settings=merged,
+        node_names=tuple(n.display for n in merged.nodes),
+        node_identities=tuple(n.identity for n in merged.nodes),
+    )
+
+
+def _resolve(shared: _Merged, resource: str, fencing: bool) -> Config:
+    merged = shared.settings
+    ttl, node_timeout = merged.ttl, merged.node_timeout
+    drift_factor = merged.drift_factor
     prefix = merged.key_prefix
     spec = LockSpec(
         resource=resource,
         key=lock_key(resource, prefix),
-        node_names=tuple(n.display for n in merged.nodes),
+        node_names=shared.node_names,
         ttl=ttl,
         drift_factor=drift_factor,
         retry_delay=merged.retry_delay,
@@ -104,5 +142,5 @@ def _resolve(
         # math.inf, given to one lock: extend without a cap whatever MAX_HOLD says.
         max_hold=None if merged.max_hold == math.inf else merged.max_hold,
         wake_ups=merged.wake_ups,
-        identity=(tuple(n.identity for n in merged.nodes), spec.key),
+        identity=(shared.node_identities, spec.key),
     )

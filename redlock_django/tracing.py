@@ -3,7 +3,9 @@
 Redis auto-instrumentation does not see the blocking driver's traffic (it writes
 its own sockets), so these spans are how a trace shows a lock. ``install()``
 (called by the app config) connects one receiver per signal; without
-``opentelemetry-api`` it connects nothing, so locking costs what it did.
+``opentelemetry-api`` it connects nothing, so locking costs what it did. With the
+API but no SDK's provider set (the API's default proxy, whose spans are no-ops)
+the receivers return at once; spans start with the first lock after one is set.
 
 Each span is made when its signal arrives, after the fact, with explicit start and
 end times (the wait measured on the monotonic clock, placed on OpenTelemetry's
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,11 +76,18 @@ def _uid(receiver: Callable[..., None]) -> str:
     return f"redlock-tracing-{receiver.__name__}"
 
 
-def _guarded(receiver: Callable[..., None]) -> Callable[..., None]:
-    """A tracing failure is logged, never raised into the lock's caller."""
+def _guarded(
+    receiver: Callable[..., None], idle: Callable[[], bool]
+) -> Callable[..., None]:
+    """A tracing failure is logged, never raised into the lock's caller.
+
+    While ``idle()`` says no SDK provider would record the span, nothing is made.
+    """
 
     @functools.wraps(receiver)
     def guarded(**kwargs: Any) -> None:
+        if idle():
+            return
         try:
             receiver(**kwargs)
         except Exception:
@@ -97,7 +107,12 @@ def install(tracer_provider: Any = None) -> bool:
         return True
     try:
         from opentelemetry import trace
-        from opentelemetry.trace import Status, StatusCode
+        from opentelemetry.trace import (
+            NoOpTracerProvider,
+            ProxyTracerProvider,
+            Status,
+            StatusCode,
+        )
     except ImportError:
         return False
     from . import __version__
@@ -107,6 +122,23 @@ def install(tracer_provider: Any = None) -> bool:
         "redlock_django", __version__, tracer_provider=tracer_provider
     )
     error = Status(StatusCode.ERROR)
+    no_sdk = (ProxyTracerProvider, NoOpTracerProvider)
+    # A provider given, or named by this variable (loaded at the first span).
+    given = tracer_provider is not None
+    always = given or "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+    missing = object()
+
+    def idle() -> bool:
+        """Whether every span would be a no-op: no SDK provider is set globally
+        (yet). Spans cost a tenth of a lock cycle even then, so none is made."""
+        if always:
+            return False
+        # The global, read directly: get_tracer_provider() looks the variable up
+        # in os.environ on every call, a KeyError raised and caught each time.
+        provider = getattr(trace, "_TRACER_PROVIDER", missing)
+        if provider is missing:  # the API's internals moved: ask the public way
+            provider = trace.get_tracer_provider()
+        return provider is None or isinstance(provider, no_sdk)
 
     def span(name: str, seconds: float, resource: str) -> Any:
         """Start a span that began ``seconds`` ago, in the current context."""
@@ -209,7 +241,7 @@ def install(tracer_provider: Any = None) -> bool:
         signals.lock_lost: on_lost,
     }
     for signal, receiver in made.items():
-        guarded = _guarded(receiver)
+        guarded = _guarded(receiver, idle)
         signal.connect(guarded, weak=False, dispatch_uid=_uid(receiver))
         _receivers[signal] = guarded
     return True

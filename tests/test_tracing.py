@@ -402,3 +402,59 @@ print(json.dumps([tracing.installed(), ours]))
         )
         results[case] = json.loads(done.stdout)
     assert results == {"absent": [False, 0], "present": [True, len(signals.__all__)]}
+
+
+def test_spans_start_with_the_first_lock_after_a_provider_is_set(
+    nodes: NodeSet,
+) -> None:
+    """With the API but no SDK's provider the receivers make nothing (every span
+    would be a no-op); the lock taken just after ``set_tracer_provider()`` is
+    traced, and so is one in a process whose provider comes from its environment."""
+    program = """
+import json, sys
+import django
+from django.conf import settings
+settings.configure(
+    INSTALLED_APPS=["redlock_django"], REDLOCK={"NODES": [sys.argv[1]]}
+)
+django.setup()
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
+from redlock_django import Redlock, tracing
+assert tracing.installed()
+with Redlock("before-the-sdk"):
+    pass
+memory = InMemorySpanExporter()
+if sys.argv[2] == "set":
+    provider = TracerProvider()
+    trace.set_tracer_provider(provider)
+else:
+    provider = trace.get_tracer_provider()  # loaded from the environment
+provider.add_span_processor(SimpleSpanProcessor(memory))
+with Redlock("after-the-sdk"):
+    pass
+spans = memory.get_finished_spans()
+print(json.dumps([[s.name, s.attributes["redlock.resource"]] for s in spans]))
+"""
+    expected = [
+        ["redlock.acquire", "after-the-sdk"],
+        ["redlock.release", "after-the-sdk"],
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for case, extra in (
+        ("set", {}),
+        ("env", {"OTEL_PYTHON_TRACER_PROVIDER": "sdk_tracer_provider"}),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", program, nodes.urls[0], case],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, **extra},
+        )
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == expected, case
