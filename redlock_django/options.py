@@ -73,8 +73,10 @@ def resolve(
     key = (resource, fencing, options)
     owner, memo, merges = _memo
     if owner is settings:
-        with contextlib.suppress(KeyError, TypeError):  # TypeError: a list option
-            return memo[key]
+        with contextlib.suppress(TypeError):  # TypeError: a list option
+            found = memo.get(key)
+            if found is not None:
+                return found
     else:
         memo, merges = {}, {}
         _memo = (settings, memo, merges)

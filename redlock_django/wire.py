@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import socket
 from typing import Any, NamedTuple
 
 import redis
@@ -203,8 +204,20 @@ def send(conn: Any, packed: list[bytes]) -> None:
     if sock is None or len(packed) != 1:
         conn.send_packed_command(packed, check_health=False)
         return
+    data = packed[0]
     try:
-        sock.sendall(packed[0])
+        if type(sock) is socket.socket:
+            # The socket has a timeout, so its descriptor is non-blocking:
+            # write(2) at once, where sendall() would poll(2) first. Whatever
+            # the kernel did not take goes through sendall(), with its timeout.
+            try:
+                sent = os.write(sock.fileno(), data)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                sock.sendall(memoryview(data)[sent:])
+        else:  # TLS: the socket's own sendall() encrypts
+            sock.sendall(data)
     except OSError as exc:
         abort(conn)
         if isinstance(exc, TimeoutError):
