@@ -13,6 +13,7 @@ import json
 import math
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -48,8 +49,24 @@ def encode(holder: str, ttl: float, label: str) -> str:
     # The same JSON object as json.dumps of all six fields, with the fixed
     # part encoded once per (pid, holder, ttl, label): only the time changes.
     head = _head(os.getpid(), holder, ttl, label)
-    now = datetime.now(UTC).isoformat(timespec="milliseconds")
-    return f'{head},"acquired_at":"{now}"}}'
+    return f'{head},"acquired_at":"{_now()}"}}'
+
+
+#: The last whole second formatted, and its text: acquisitions within one second
+#: share it and only add their milliseconds. One tuple, replaced whole (threads).
+_second: tuple[int, str] = (-1, "")
+
+
+def _now() -> str:
+    """The time as ``isoformat(timespec="milliseconds")`` of an aware UTC datetime."""
+    global _second
+    ms = int(time.time() * 1000)
+    whole, frac = divmod(ms, 1000)
+    second, text = _second
+    if whole != second:
+        text = datetime.fromtimestamp(whole, UTC).isoformat()[:-6]  # no "+00:00"
+        _second = (whole, text)
+    return f"{text}.{frac:03d}+00:00"
 
 
 def decode(raw: bytes | None) -> HolderMeta:
