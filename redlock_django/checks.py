@@ -22,7 +22,8 @@ Errors:
 - E006 ``TTL`` is not a positive finite number, or is more than a day.
 - E007 ``DRIFT_FACTOR`` is outside [0, 0.5).
 - E008 ``NODE_TIMEOUT`` is not positive, is not below ``TTL``, or leaves no validity.
-- E009 ``WAIT_TIMEOUT``, ``RETRY_DELAY``, ``RETRY_JITTER`` or ``MAX_HOLD`` is invalid.
+- E009 ``WAIT_TIMEOUT``, ``RETRY_DELAY``, ``RETRY_JITTER``, ``MAX_HOLD`` or
+  ``QUEUE_LIFE`` is invalid.
 - E010 ``KEY_PREFIX`` is invalid.
 - E011 ``AUTO_EXTEND``, ``WAKE_UPS`` or ``FAIR`` is not a bool.
 - E012 (deploy) a node is a replica: it refuses writes, and a failover can
@@ -60,6 +61,9 @@ Warnings:
   and where CONFIG is refused (ACLs, managed services) a node whose
   append-only file is on passes: its policy cannot be known, and a warning
   nobody can act on would only get W007 silenced everywhere.
+- W008 ``QUEUE_LIFE`` is less than 10 x ``NODE_TIMEOUT``, with ``FAIR`` on or
+  ``QUEUE_LIFE`` set: a fair waiter's refreshes (every third of it) could come
+  too late behind one slow node, and a live waiter lose its place.
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ __all__ = [
     "W005",
     "W006",
     "W007",
+    "W008",
     "check_nodes",
     "check_settings",
     "check_url_placeholders",
@@ -136,6 +141,7 @@ W004 = "redlock.W004"
 W005 = "redlock.W005"
 W006 = "redlock.W006"
 W007 = "redlock.W007"
+W008 = "redlock.W008"
 
 #: How to fix each finding of ``conf.validate()``, by check id.
 HINTS = {
@@ -163,7 +169,8 @@ HINTS = {
     f"{conf.NODE_TIMEOUT_SHARE:.0%} of TTL, e.g. 0.05 with TTL = 10.0.",
     "redlock.E009": "WAIT_TIMEOUT: seconds >= 0, or None to wait without limit. "
     "RETRY_DELAY, RETRY_JITTER: seconds >= 0, not both 0. MAX_HOLD: seconds "
-    ">= TTL, or None for no cap on auto-extension.",
+    ">= TTL, or None for no cap on auto-extension. QUEUE_LIFE: seconds above 0 "
+    f"and at most {conf.MAX_TTL:g}, e.g. 2.0.",
     "redlock.E010": "Use a short name such as 'redlock' or 'myproject:lock': at most "
     f"{conf.MAX_KEY_PREFIX_LENGTH} characters, no whitespace, no control characters "
     "and none of * ? [ ] \\.",
@@ -174,6 +181,9 @@ HINTS = {
     "own Redis server.",
     "redlock.W003": "Keep NODE_TIMEOUT well under TTL (at most "
     f"{conf.NODE_TIMEOUT_SHARE:.0%}), or one slow node can eat the validity window.",
+    "redlock.W008": "Raise QUEUE_LIFE to at least "
+    f"{conf.QUEUE_LIFE_NODE_TIMEOUTS} x NODE_TIMEOUT (the default is "
+    f"{conf.DEFAULTS['QUEUE_LIFE']:g} s), or lower NODE_TIMEOUT.",
     "redlock.W004": "Drop ssl_cert_reqs=none (the default is 'required') and set "
     "ssl_ca_certs to the CA that signed the node's certificate.",
 }

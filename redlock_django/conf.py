@@ -74,9 +74,14 @@ DEFAULTS: dict[str, object] = {
     "WAKE_UPS": True,
     # Waiters are served in arrival order, through a queue on the nodes.
     "FAIR": False,
+    # Seconds a fair waiter's queue entry lives unless refreshed (every third of it).
+    "QUEUE_LIFE": protocol.QUEUE_LIFE,
 }
 
 MAX_TTL = 86400.0
+#: A fair waiter refreshes its queue entry every third of QUEUE_LIFE, each refresh
+#: a round trip of up to NODE_TIMEOUT: W008 below this many of them.
+QUEUE_LIFE_NODE_TIMEOUTS = 10
 MAX_KEY_PREFIX_LENGTH = 64
 # Above this share of TTL, one slow node eats a visible part of the validity window.
 NODE_TIMEOUT_SHARE = 0.05
@@ -113,6 +118,7 @@ class RedlockSettings:
     max_hold: float | None
     wake_ups: bool = True
     fair: bool = False
+    queue_life: float = protocol.QUEUE_LIFE
 
 
 class SafeSettingsReporterFilter(SafeExceptionReporterFilter):
@@ -176,6 +182,7 @@ def get_settings() -> RedlockSettings:
         max_hold=_optional_seconds(values["MAX_HOLD"]),
         wake_ups=bool(values["WAKE_UPS"]),
         fair=bool(values["FAIR"]),
+        queue_life=_seconds(values["QUEUE_LIFE"]),
     )
 
 
@@ -309,6 +316,21 @@ def _validate(
         )
 
     _validate_timing(values, ttl, error, max_hold_is_default="MAX_HOLD" not in raw)
+    queue_life = _number(values["QUEUE_LIFE"])
+    if (
+        (values["FAIR"] is True or "QUEUE_LIFE" in raw)
+        and queue_life is not None
+        and node_timeout is not None
+        and 0 < node_timeout < (ttl or math.inf)
+        and 0 < queue_life < QUEUE_LIFE_NODE_TIMEOUTS * node_timeout
+    ):
+        warning(
+            "redlock.W008",
+            f"REDLOCK['QUEUE_LIFE'] ({queue_life:g}) is less than "
+            f"{QUEUE_LIFE_NODE_TIMEOUTS} x NODE_TIMEOUT ({node_timeout:g}): a fair "
+            "waiter refreshes its queue entry every third of it, so one slow node "
+            "can drop waiters that are still alive",
+        )
 
     prefix = values["KEY_PREFIX"]
     reason = _prefix_problem(prefix)
@@ -429,6 +451,14 @@ def _validate_timing(
             "redlock.E009",
             "REDLOCK['RETRY_DELAY'] and REDLOCK['RETRY_JITTER'] are both 0: "
             "retries would spin without pause",
+        )
+    queue_life = values["QUEUE_LIFE"]
+    number = _number(queue_life)
+    if number is None or not 0 < number <= MAX_TTL:
+        error(
+            "redlock.E009",
+            f"REDLOCK['QUEUE_LIFE'] is {_show(queue_life)}; it must be a finite "
+            f"number of seconds above 0 and at most {MAX_TTL:g}",
         )
     max_hold = values["MAX_HOLD"]
     number = _number(max_hold)

@@ -72,11 +72,14 @@ def resolve(
     options = tuple(given.items())
     key = (resource, fencing, options)
     owner, memo, merges = _memo
+    # TypeError: an option that cannot be hashed (a list): resolved every time.
     if owner is settings:
-        with contextlib.suppress(TypeError):  # TypeError: a list option
+        try:
             found = memo.get(key)
-            if found is not None:
-                return found
+        except TypeError:
+            found = None
+        if found is not None:
+            return found
     else:
         memo, merges = {}, {}
         _memo = (settings, memo, merges)
@@ -86,14 +89,14 @@ def resolve(
         merged = None
     if merged is None:
         merged = _merge(settings, given)
+        if len(merges) >= MEMO_SIZE:
+            merges.clear()
         with contextlib.suppress(TypeError):
-            if len(merges) >= MEMO_SIZE:
-                merges.clear()
             merges[options] = merged
     config = _resolve(merged, resource, fencing)
+    if len(memo) >= MEMO_SIZE:
+        memo.clear()
     with contextlib.suppress(TypeError):
-        if len(memo) >= MEMO_SIZE:
-            memo.clear()
         memo[key] = config
     return config
 
@@ -134,6 +137,7 @@ def _resolve(shared: _Merged, resource: str, fencing: bool) -> Config:
         retry_jitter=merged.retry_jitter,
         fence_key=fence_key(resource, prefix) if fencing else None,
         queue=queue_keys(resource, prefix) if merged.fair else None,
+        queue_life=merged.queue_life,
     )
     return Config(
         spec=spec,

@@ -68,6 +68,7 @@ LATE_SLACK = 0.5
 _GRACE = 0.001
 #: Seconds a fair lock's queue entry lives unless its waiter refreshes it (every
 #: third of it): a waiter that died or froze holds its place no longer than this.
+#: The default of ``REDLOCK["QUEUE_LIFE"]`` (``LockSpec.queue_life``).
 QUEUE_LIFE = 2.0
 #: How long after the first entry's expiry a waiter behind it tries again.
 BEHIND_SLACK = 0.01
@@ -202,6 +203,8 @@ class LockSpec:
     fence_key: str | None = None
     #: A fair lock's queue keys (entries, their expiries, tickets), else None.
     queue: tuple[str, str, str] | None = None
+    #: Seconds a queue entry lives unless its waiter refreshes it.
+    queue_life: float = QUEUE_LIFE
 
     @property
     def node_count(self) -> int:
@@ -445,10 +448,10 @@ def acquire_flow(
                 # once it has one, each attempt refreshes it.
                 queueing = place.ticket is None and wait != 0
                 if queueing:
-                    extra = (place.waiter, ttl_ms(QUEUE_LIFE), 0)
+                    extra = (place.waiter, ttl_ms(spec.queue_life), 0)
                     place.ticket = 0  # from here on, giving up must leave
                 elif place.ticket:
-                    extra = (place.waiter, ttl_ms(QUEUE_LIFE), place.ticket)
+                    extra = (place.waiter, ttl_ms(spec.queue_life), place.ticket)
                 else:
                     extra = (place.waiter, 0)
             start = clock()
@@ -519,7 +522,8 @@ def acquire_flow(
                 if queueing:
                     yield from _settle_place(spec, place, tickets, clock)
                 elif place.ticket and tickets.count(place.ticket) >= spec.quorum:
-                    place.refresh_at = start + QUEUE_LIFE / 3  # this attempt did it
+                    # This attempt refreshed the entry.
+                    place.refresh_at = start + spec.queue_life / 3
             most = spec.node_count - spec.quorum
             down = sum(1 for why in failed.values() if not why.startswith(LATE))
             if down > most:
@@ -550,7 +554,7 @@ def acquire_flow(
                 # is found by its retries); this one checks again when its entry
                 # is due for a refresh (the attempt refreshes it), or just after
                 # the first entry expires if that one stopped being refreshed.
-                due = place.refresh_at - now if place.ticket else QUEUE_LIFE / 3
+                due = place.refresh_at - now if place.ticket else spec.queue_life / 3
                 delay = max(delay, min(due, ahead + BEHIND_SLACK))
             if deadline is not None:
                 delay = min(delay, deadline - now)
@@ -593,7 +597,7 @@ def _enqueue(spec: LockSpec, place: _Place, ticket: int) -> Fanout:
     return Fanout(
         ENQUEUE_SCRIPT,
         spec.queue,
-        (place.waiter, ticket, ttl_ms(QUEUE_LIFE)),
+        (place.waiter, ticket, ttl_ms(spec.queue_life)),
         need=spec.quorum,
         wins=_ticketed,
     )
@@ -632,7 +636,7 @@ def _settle_place(
         if sum(1 for r in written if _ticketed(r.value)) < spec.quorum:
             return
     place.ticket = top
-    place.refresh_at = clock() + QUEUE_LIFE / 3
+    place.refresh_at = clock() + spec.queue_life / 3
 
 
 def _leave(spec: LockSpec, place: _Place) -> Fanout:
@@ -663,7 +667,7 @@ def _wait_in_queue(
             return False  # the attempt refreshes the entry too
         if place.ticket and clock() >= place.refresh_at:
             yield _enqueue(spec, place, place.ticket)
-            place.refresh_at = clock() + QUEUE_LIFE / 3
+            place.refresh_at = clock() + spec.queue_life / 3
 
 
 def extend_flow(

@@ -24,6 +24,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--hold", type=float, default=0.05)
     parser.add_argument("--retry-delay", type=float, default=0.05)
+    parser.add_argument("--node-timeout", type=float, default=0.2)
+    parser.add_argument("--queue-life", type=float, default=None)
     args = parser.parse_args(argv)
 
     import django
@@ -34,10 +36,11 @@ def main(argv: list[str]) -> int:
         REDLOCK={
             "NODES": args.nodes.split(","),
             "TTL": 10.0,
-            "NODE_TIMEOUT": 0.2,
+            "NODE_TIMEOUT": args.node_timeout,
             "RETRY_DELAY": args.retry_delay,
             "RETRY_JITTER": 0,
             "FAIR": True,
+            **({} if args.queue_life is None else {"QUEUE_LIFE": args.queue_life}),
         },
     )
     django.setup()

@@ -84,6 +84,11 @@ def test_a_single_node_is_single_instance_mode_without_warning(settings: Any) ->
         ({**GOOD, "RETRY_DELAY": 0, "RETRY_JITTER": 0}, checks.E009),
         ({**GOOD, "MAX_HOLD": 0}, checks.E009),
         ({**GOOD, "MAX_HOLD": 5}, checks.E009),
+        ({**GOOD, "QUEUE_LIFE": 0}, checks.E009),
+        ({**GOOD, "QUEUE_LIFE": "2"}, checks.E009),
+        ({**GOOD, "QUEUE_LIFE": 86401}, checks.E009),
+        ({**GOOD, "QUEUE_LIFE": 0.4}, checks.W008),
+        ({**GOOD, "FAIR": True, "NODE_TIMEOUT": 0.25}, checks.W008),
         ({**GOOD, "KEY_PREFIX": ""}, checks.E010),
         ({**GOOD, "KEY_PREFIX": "my lock"}, checks.E010),
         ({**GOOD, "KEY_PREFIX": "lock\x00"}, checks.E010),
@@ -107,6 +112,15 @@ def test_each_bad_config_gets_exactly_its_check_id(
 ) -> None:
     """A config with one fault produces that fault's id and nothing else."""
     assert ids(settings, redlock) == [expected]
+
+
+def test_a_long_node_timeout_without_fair_locks_gets_no_queue_warning(
+    settings: Any,
+) -> None:
+    """QUEUE_LIFE is judged against NODE_TIMEOUT only where fair locks are on by
+    default or it was set: a config that never queues is not warned about it."""
+    assert ids(settings, {**GOOD, "NODE_TIMEOUT": 0.25}) == []
+    assert ids(settings, {**GOOD, "NODE_TIMEOUT": 0.25, "QUEUE_LIFE": 3.0}) == []
 
 
 def test_errors_and_warnings_have_the_right_level_object_and_hint(

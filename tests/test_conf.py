@@ -228,6 +228,9 @@ def test_unknown_key_names_the_key_and_suggests_the_closest(
         ({"WAIT_TIMEOUT": -0.1}, "redlock.E009"),
         ({"RETRY_JITTER": -1}, "redlock.E009"),
         ({"MAX_HOLD": False}, "redlock.E009"),
+        ({"QUEUE_LIFE": True}, "redlock.E009"),
+        ({"QUEUE_LIFE": -2.0}, "redlock.E009"),
+        ({"QUEUE_LIFE": math.nan}, "redlock.E009"),
         ({"AUTO_EXTEND": 1}, "redlock.E011"),
     ],
 )
@@ -249,6 +252,8 @@ def test_values_of_the_wrong_type_or_range_are_errors(
         {"RETRY_JITTER": 0},
         {"MAX_HOLD": None},
         {"KEY_PREFIX": "x" * 64},
+        {"QUEUE_LIFE": 86400},
+        {"QUEUE_LIFE": 0.5, "FAIR": True},  # 10 x the default NODE_TIMEOUT
     ],
 )
 def test_boundary_values_are_accepted(overrides: dict[str, object]) -> None:
@@ -294,7 +299,8 @@ def test_every_problem_has_a_hint(settings) -> None:
     assert [m.id for m in messages] == ["redlock.E001", "redlock.E002", "redlock.E006"]
     assert all(message.hint for message in messages)
     settings_ids = {f"redlock.E{n:03}" for n in range(1, 12)}
-    assert set(checks.HINTS) == settings_ids | {f"redlock.W{n:03}" for n in range(1, 5)}
+    warnings = {f"redlock.W{n:03}" for n in (1, 2, 3, 4, 8)}
+    assert set(checks.HINTS) == settings_ids | warnings
 
 
 # --- parse_node -------------------------------------------------------------------

@@ -230,6 +230,31 @@ def test_a_dead_or_frozen_first_waiter_delays_the_next_by_at_most_its_queue_entr
     assert got["at"] - stopped < QUEUE_LIFE + 0.5, got["at"] - stopped
 
 
+def test_a_shorter_queue_life_setting_bounds_a_frozen_first_waiters_delay(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    spawn: Callable[..., Any],
+    hold: Callable[..., Redlock],
+) -> None:
+    """With ``REDLOCK["QUEUE_LIFE"] = 0.8`` in the waiters' processes, a first
+    waiter frozen in line holds the next one back about 0.8 s, not the default's
+    2 s: the entry it stopped refreshing expires at the configured life."""
+    life = 0.8
+    extra = ("--retry-delay", "0.05", "--queue-life", str(life))
+    extra += ("--node-timeout", str(life / 10))
+    holder = hold("fair:short-life", fair=True)
+    first = spawn("first", "fair:short-life", *extra)
+    _wait_until_queued(nodes, "fair:short-life", 1)
+    second = spawn("second", "fair:short-life", *extra)
+    _wait_until_queued(nodes, "fair:short-life", 2)
+    os.kill(first.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    holder.release()
+    got = _result(second)
+    assert got["event"] == "acquired"
+    assert got["at"] - stopped < life + 0.5, got["at"] - stopped
+
+
 def test_a_first_waiter_that_gives_up_while_the_lock_is_free_wakes_the_next(
     settings: Any,
     redlock_settings: dict[str, Any],
