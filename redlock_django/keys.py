@@ -21,6 +21,7 @@ __all__ = [
     "lock_key",
     "lock_pattern",
     "queue_keys",
+    "wake_head",
 ]
 
 #: Longest resource name kept whole in keys; longer names are hashed (key_name).
@@ -80,6 +81,14 @@ def queue_keys(resource: str, prefix: str) -> tuple[str, str, str]:
         f"{prefix}:waiters:{name}",
         f"{prefix}:ticket:{name}",
     )
+
+
+def wake_head(prefix: str) -> str:
+    """The start of the channel a process's fair waiters are woken on (the
+    process's tag follows). Under the lock keys' name, so the documented ACL
+    channel pattern covers it; the control character keeps it apart from every
+    lock's own channel (its key), since resource names are printable."""
+    return f"{prefix}:lock:\x1fwake:"
 
 
 def lock_head(prefix: str) -> str:

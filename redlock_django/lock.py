@@ -286,6 +286,9 @@ class Redlock:
                 holds.reenter(hold, config)
                 return None
         token = secrets.token_urlsafe(TOKEN_BYTES)
+        if config.spec.queue is not None and config.wake_ups:
+            # A fair waiter is woken on its process's channel (wake.process_tag).
+            token = f"{token}~{wake.process_tag()}"
         about = meta.encode(holder, config.spec.ttl, self.label)
         defer = wake.handoff_defer(config.identity)
         flow = acquire_flow(config.spec, token, about, wait, _clock, _jitter, defer)

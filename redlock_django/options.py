@@ -16,7 +16,7 @@ from typing import Any
 
 from .address import NodeSpec
 from .conf import RedlockSettings
-from .keys import fence_key, lock_key, queue_keys
+from .keys import fence_key, lock_key, queue_keys, wake_head
 from .protocol import LockSpec, drift, validity
 
 __all__ = ["Config", "resolve"]
@@ -138,6 +138,7 @@ def _resolve(shared: _Merged, resource: str, fencing: bool) -> Config:
         fence_key=fence_key(resource, prefix) if fencing else None,
         queue=queue_keys(resource, prefix) if merged.fair else None,
         queue_life=merged.queue_life,
+        wake_head=wake_head(prefix) if merged.fair else "",
     )
     return Config(
         spec=spec,

@@ -205,6 +205,9 @@ class LockSpec:
     queue: tuple[str, str, str] | None = None
     #: Seconds a queue entry lives unless its waiter refreshes it.
     queue_life: float = QUEUE_LIFE
+    #: A fair lock's channel head: a waiter is woken on this followed by its
+    #: process's tag (``wake_channel``); "" wakes on the lock key's channel.
+    wake_head: str = ""
 
     @property
     def node_count(self) -> int:
@@ -326,10 +329,21 @@ def release_id(token: str, attempt: int = 0) -> str:
 def waiter_id(token: str) -> str:
     """Name an acquisition in a fair lock's queue: a short hash, never the token.
 
-    ``token`` is the acquisition's base or any of its attempts' tokens.
+    ``token`` is the acquisition's base or any of its attempts' tokens. A base
+    that ends in ``~<tag>`` (the waiting process's tag, see ``wake.process_tag``)
+    gives ``<hash>:<tag>``: a release that names this waiter publishes on that
+    process's channel only (``wake_channel``).
     """
     base = token.rsplit(".", 1)[0] if "." in token else token
-    return hashlib.sha256(f"waiter:{base}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"waiter:{base}".encode()).hexdigest()[:16]
+    _, _, tag = base.rpartition("~")
+    return f"{digest}:{tag}" if "~" in base and tag else digest
+
+
+def wake_channel(spec: LockSpec, waiter: str) -> str:
+    """The channel on which a release that names ``waiter`` reaches it."""
+    _, _, tag = waiter.partition(":")
+    return spec.wake_head + tag if tag and spec.wake_head else spec.key
 
 
 def _failed(spec: LockSpec, replies: Replies, nodes: Sequence[int]) -> dict[str, str]:
@@ -643,7 +657,7 @@ def _leave(spec: LockSpec, place: _Place) -> Fanout:
     """Take a waiter that gives up out of the queue on every node, at once."""
     assert spec.queue is not None
     keys = (*spec.queue[:2], spec.key)
-    args = (place.waiter, release_id(f"left {place.waiter}"))
+    args = (place.waiter, release_id(f"left {place.waiter}"), spec.wake_head)
     return Fanout(DEQUEUE_SCRIPT, keys, args, critical=True)
 
 
@@ -661,7 +675,8 @@ def _wait_in_queue(
         nap = try_at - clock()
         if place.ticket:
             nap = min(nap, place.refresh_at - clock())
-        if (yield Sleep(max(0.0, nap), spec.key, place.waiter, since)) is True:
+        channel = wake_channel(spec, place.waiter)
+        if (yield Sleep(max(0.0, nap), channel, place.waiter, since)) is True:
             return True
         if clock() >= try_at:
             return False  # the attempt refreshes the entry too
@@ -738,9 +753,10 @@ def release_flow(
     args: tuple[str, ...] = (token, release_id(token))
     script = RELEASE_SCRIPT
     if spec.queue is not None:
-        # Also takes our entry out of the queue, and names the next waiter.
+        # Also takes our entry out of the queue, and names the next waiter to its
+        # process alone.
         script, keys = QUEUED_RELEASE_SCRIPT, (spec.key, *spec.queue[:2])
-        args = (*args, waiter_id(token))
+        args = (*args, waiter_id(token), spec.wake_head)
     replies: Replies = yield Fanout(
         script,
         keys,

@@ -147,6 +147,22 @@ end
 """
 _LIVE_HEAD = _NOW_MS + _LIVE_HEAD_AT_NOW
 
+# Publishes a wake-up that names the waiter ``member``: on its process's channel
+# (``head`` followed by the tag of a ``<id>:<tag>`` member), so that no other
+# process is disturbed, or on ``fallback`` (the lock key) for a member without a
+# tag (an older client's) or no ``head``. By pcall: an ACL user without channel
+# rights still releases. Returns the subscribers that heard it, or an error table.
+_TELL = """
+local function tell(member, message, head, fallback)
+  local tag = string.match(member, ':(%x+)$')
+  local channel = fallback
+  if tag and head and head ~= '' then
+    channel = head .. tag
+  end
+  return redis.pcall('publish', channel, message)
+end
+"""
+
 # KEYS[1] queue; KEYS[2] waiters; KEYS[3] ticket counter
 # ARGV[1] waiter id; ARGV[2] ticket (0: draw one here); ARGV[3] entry life in ms
 # returns the ticket the entry was written with. Drawing INCRs the counter; writing
@@ -179,7 +195,8 @@ return ticket
 )
 
 # KEYS[1] queue; KEYS[2] waiters; KEYS[3] (optional) the lock key
-# ARGV[1] waiter id; ARGV[2] (with KEYS[3]) an id for the wake-up message
+# ARGV[1] waiter id; ARGV[2] (with KEYS[3]) an id for the wake-up message; ARGV[3]
+# (optional) the wake-up channels' head (see _TELL)
 # returns 1 when the entry was there. A waiter that gives up leaves at once, so a
 # fair queue does not wait out its entry. One that was first in line while the lock
 # is free (a release named it, then it gave up) wakes the next live waiter the way
@@ -187,6 +204,7 @@ return ticket
 DEQUEUE_SCRIPT = Script(
     "dequeue",
     _NOW_MS
+    + _TELL
     + """
 local q, w = 1, 2
 """
@@ -200,7 +218,7 @@ if KEYS[3] and was_first and redis.call('pttl', KEYS[3]) == -2 then
     + _LIVE_HEAD_AT_NOW
     + """
   if head then
-    redis.pcall('publish', KEYS[3], ARGV[2] .. ' ' .. head)
+    tell(head, ARGV[2] .. ' ' .. head, ARGV[3], KEYS[3])
   end
 end
 return left
@@ -280,13 +298,16 @@ local deleted = redis.call('del', KEYS[1])"""
 )
 
 # As RELEASE, for a lock with a wait queue: KEYS[1] lock key; KEYS[2] queue;
-# KEYS[3] waiters; ARGV[1] token; ARGV[2] release id; ARGV[3] the holder's waiter id.
+# KEYS[3] waiters; ARGV[1] token; ARGV[2] release id; ARGV[3] the holder's waiter id;
+# ARGV[4] (optional) the wake-up channels' head (see _TELL).
 # The holder's own entry leaves the queue whatever the key holds; when our token
 # held the key, it is deleted and the release is published as "<release id>
-# <first live waiter>" (or the id alone, nobody waiting): only that waiter is woken.
+# <first live waiter>" to that waiter's process (or the id alone on the lock's
+# channel, nobody waiting): only that waiter is woken.
 QUEUED_RELEASE_SCRIPT = Script(
     "queued_release",
-    """
+    _TELL
+    + """
 redis.call('zrem', KEYS[2], ARGV[3])
 redis.call('zrem', KEYS[3], ARGV[3])
 """
@@ -296,11 +317,12 @@ local q, w = 2, 3
 """
     + _LIVE_HEAD
     + """
-local message = ARGV[2]
+local heard
 if head then
-  message = message .. ' ' .. head
+  heard = tell(head, ARGV[2] .. ' ' .. head, ARGV[4], KEYS[1])
+else
+  heard = redis.pcall('publish', KEYS[1], ARGV[2])
 end
-local heard = redis.pcall('publish', KEYS[1], message)
 if type(heard) == 'number' then
   return deleted + heard
 end

@@ -7,6 +7,11 @@ a thousand waiting resources cost five connections, not five thousand. Blocking
 waiters are woken through a ``threading.Event``, asyncio waiters through their
 loop, so one set of readers serves both APIs.
 
+A release of a fair lock names the next waiter, and publishes that name on a
+channel of the waiter's process alone (``process_tag``; the waiter's queue id
+carries the tag): the other processes waiting for the lock are not disturbed by
+a release that is not for them.
+
 A wake-up is a hint, never a grant: the woken waiter simply tries again at once.
 The timed retry stays as the fallback, so a missed message (a node down, a lock
 that expired instead of being released) costs at most one retry delay. A channel
@@ -21,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -40,6 +46,7 @@ __all__ = [
     "handoff_defer",
     "hub",
     "note_handoff",
+    "process_tag",
     "reset",
 ]
 
@@ -52,8 +59,9 @@ POLL = 0.2
 #: Pause between attempts to reconnect a reader to a node that is down.
 RECONNECT = 0.5
 #: Release ids remembered per channel: one release publishes on every node, and
-#: waking a waiter once per node would only send it retries that cannot win.
-SEEN = 8
+#: waking a waiter once per node would only send it retries that cannot win. A
+#: process's own channel carries the releases of every fair lock it waits for.
+SEEN = 32
 #: Shortest pause before re-acquiring a lock this process just released to waiters.
 HANDOFF_GRACE = 0.002
 
@@ -200,13 +208,24 @@ class _Reader(threading.Thread):
             self.subscribed.discard(channel)
 
     def run(self) -> None:
+        # Whether to go on, and which channels to drop, is looked at once per
+        # POLL, not per message: under contention messages come thousands of
+        # times a second, and each look builds the set of wanted channels.
+        looked = -POLL
         try:
-            while self.hub.keep(self):
+            while True:
+                now = time.monotonic()
+                due = now - looked >= POLL
+                if due:
+                    if not self.hub.keep(self):
+                        break
+                    looked = now
                 if self._conn is None and not self._connect():
                     self._pause.wait(RECONNECT)
                     continue
                 try:
-                    self._prune()
+                    if due:
+                        self._prune()
                     if self._conn.can_read(timeout=POLL):
                         self._on_reply(self._conn.read_response())
                         self._warned = False
@@ -235,6 +254,9 @@ class Hub:
         self._seen: dict[bytes, dict[bytes, dict[bytes, set[int]] | None]] = {}
         #: channel -> (monotonic time, waiter named) of its last release that woke
         self._last: dict[bytes, tuple[float, bytes]] = {}
+        #: waiter -> monotonic time a release last woke it by name (a process's
+        #: channel names many waiters, so its last release says little of one)
+        self._called: dict[bytes, float] = {}
         self._quorum = len(self.pools) // 2 + 1
         self._readers: list[_Reader | None] = [None] * len(self.pools)
         self._closed = False
@@ -260,7 +282,9 @@ class Hub:
             self._idle.pop(channel, None)
             last = self._last.get(channel)
             if since is not None and last is not None and last[0] > since:
-                missed = last[1] in (b"", watch.waiter)
+                missed = last[1] == b""
+            if since is not None and watch.waiter is not None:
+                missed = missed or self._called.get(watch.waiter, since) > since
             if self._closed:
                 if missed:
                     watch.fire()
@@ -325,6 +349,9 @@ class Hub:
                     del self._idle[channel]
                     self._seen.pop(channel, None)
                     self._last.pop(channel, None)
+            for waiter, at in list(self._called.items()):
+                if now - at >= LINGER:
+                    del self._called[waiter]
             return set(self._watches) | set(self._idle)
 
     def keep(self, reader: _Reader) -> bool:
@@ -356,7 +383,7 @@ class Hub:
         by the first message would try while most nodes still hold the key, fail,
         and then sleep out its retry delay, deaf to the release's later messages.
         Nodes that name different waiters (a queue entry missing on some) wake
-        every waiter once all subscribed nodes reported.
+        each waiter named once all subscribed nodes reported.
         """
         release, _, named = message.partition(b" ")
         subscribed = sum(
@@ -373,17 +400,23 @@ class Hub:
             if reports is None:
                 return
             reports.setdefault(named, set()).add(index)
-            if len(reports[named]) < need:
+            if len(reports[named]) >= need:
+                names = {named}
+            else:
                 everyone = set().union(*reports.values())
                 if len(everyone) < max(need, subscribed):
                     return
-                named = b""
+                names = set(reports)
             seen[release] = None
-            self._last[channel] = (time.monotonic(), named)
+            now = time.monotonic()
+            if b"" in names:
+                self._last[channel] = (now, b"")
+            for name in names - {b""}:
+                self._called[name] = now
             watches = [
                 w
                 for w in self._watches.get(channel, ())
-                if not named or w.waiter == named
+                if b"" in names or w.waiter in names
             ]
         for watch in watches:
             watch.fire()
@@ -477,6 +510,16 @@ def handoff_defer(identity: tuple[Any, ...]) -> float:
     return 0.0 if until is None else max(0.0, until - time.monotonic())
 
 
+_tag = secrets.token_hex(4)
+
+
+def process_tag() -> str:
+    """This process's tag: a fair waiter's queue id carries it, and a release
+    that names the waiter publishes on ``<wake head><tag>``, which only this
+    process's readers subscribe to. A forked child draws its own."""
+    return _tag
+
+
 _inherited: list[object] = []
 
 
@@ -486,7 +529,7 @@ def _forget_parent_hubs() -> None:
     The parent's reader threads do not exist in the child, a parent thread may
     have held these locks at the fork, and its waiters are not the child's.
     """
-    global _hubs, _hubs_lock, _watching, _watching_lock
+    global _hubs, _hubs_lock, _watching, _watching_lock, _tag
     # Kept, never collected: collecting them could close sockets the parent
     # still uses (see nodes._inherited).
     _inherited.append(_hubs)
@@ -495,6 +538,7 @@ def _forget_parent_hubs() -> None:
     _watching = 0
     _watching_lock = threading.Lock()
     _handoffs.clear()
+    _tag = secrets.token_hex(4)
 
 
 os.register_at_fork(after_in_child=_forget_parent_hubs)

@@ -156,6 +156,60 @@ def test_waiters_in_other_processes_get_the_lock_in_the_order_they_queued(
     assert _queued(nodes, "fair:order") == [0] * len(nodes)
 
 
+@contextlib.contextmanager
+def _published(nodes: NodeSet) -> Iterator[list[tuple[int, str, str]]]:
+    """What the nodes publish under ``redlock:lock:*`` while the block runs:
+    ``(node index, channel, message)``, read by a subscriber of the test's own."""
+    heard: list[tuple[int, str, str]] = []
+    subscribers = []
+    for node in nodes:
+        pubsub = node.client().pubsub(ignore_subscribe_messages=True)
+        pubsub.psubscribe("redlock:lock:*")
+        pubsub.get_message(timeout=1.0)  # the confirmation
+        subscribers.append(pubsub)
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            for i, pubsub in enumerate(subscribers):
+                got = pubsub.get_message(timeout=0.01)
+                if got and got["type"] == "pmessage":
+                    heard.append((i, got["channel"].decode(), got["data"].decode()))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield heard
+    finally:
+        stop.set()
+        reader.join(2)
+        for pubsub in subscribers:
+            pubsub.close()
+
+
+def test_a_release_tells_only_the_process_of_the_waiter_it_names(
+    redlock_settings: dict[str, Any], nodes: NodeSet, line_up: Callable[..., Any]
+) -> None:
+    """Each release of a fair lock publishes the next waiter's name on a channel of
+    that waiter's process alone, not on the lock's own channel, which every process
+    with a waiter of the lock listens to: the other waiting processes are not
+    disturbed by a release that is not for them. Three waiters, three processes:
+    three channels, one per process, none of them the lock's."""
+    holder, procs = line_up("fair:targeted", "abc")
+    with _published(nodes) as heard:
+        holder.release()
+        _assert_served_in_order_each_woken(procs, "abc")
+    named = [(channel, message.split(" ")[1]) for _, channel, message in heard
+             if " " in message]  # fmt: skip
+    assert named, heard
+    key = lock_key("fair:targeted", "redlock")
+    assert all(channel != key for channel, _ in named), named
+    channels = {waiter: channel for channel, waiter in named}
+    assert len(channels) == 3 and len(set(channels.values())) == 3, named
+    # Every message naming a waiter went to that waiter's channel only.
+    assert all(channels[waiter] == channel for channel, waiter in named), named
+
+
 def test_a_newcomer_does_not_take_a_free_lock_from_a_queued_waiter(
     redlock_settings: dict[str, Any], line_up: Callable[..., Any]
 ) -> None:
