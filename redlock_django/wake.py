@@ -2,10 +2,13 @@
 
 A release publishes on the lock's key, used as a pub/sub channel, on every node
 where it deleted the key. Each process keeps one subscriber connection per node,
-owned by a reader thread, and multiplexes every channel its waiters need over it:
-a thousand waiting resources cost five connections, not five thousand. Blocking
-waiters are woken through a ``threading.Event``, asyncio waiters through their
-loop, so one set of readers serves both APIs.
+and multiplexes every channel its waiters need over it: a thousand waiting
+resources cost five connections, not five thousand. One reader thread polls all
+of them (a release arrives as one message per node, and a thread per node would
+wake once each); it connects to a node in a short-lived thread of its own, so a
+node whose connect hangs does not hold up the others' messages. Blocking waiters
+are woken through a ``threading.Event``, asyncio waiters through their loop, so
+one reader serves both APIs.
 
 A release of a fair lock names the next waiter, and publishes that name on a
 channel of the waiter's process alone (``process_tag``; the waiter's queue id
@@ -16,8 +19,8 @@ A wake-up is a hint, never a grant: the woken waiter simply tries again at once.
 The timed retry stays as the fallback, so a missed message (a node down, a lock
 that expired instead of being released) costs at most one retry delay. A channel
 stays subscribed for ``LINGER`` seconds after its last waiter left, so a lock under
-steady contention is not re-subscribed on every wait, and a reader thread ends
-when its node has nothing left to watch.
+steady contention is not re-subscribed on every wait, and the reader thread ends
+when nothing is left to watch.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
+import select
 import threading
 import time
 from collections.abc import Sequence
@@ -54,8 +59,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a channel stays subscribed after its last waiter stopped waiting.
 LINGER = 2.0
-#: Longest a reader blocks on its socket before it looks for idle channels.
+#: Longest the reader waits for messages before it looks for idle channels.
 POLL = 0.2
+#: How often a connection class without a socket to poll() is looked at.
+BLIND_POLL = 0.005
 #: Pause between attempts to reconnect a reader to a node that is down.
 RECONNECT = 0.5
 #: Release ids remembered per channel: one release publishes on every node, and
@@ -124,11 +131,10 @@ class AsyncWatch(_Watch):
         return woken
 
 
-class _Reader(threading.Thread):
-    """Owns one node's subscriber connection and reads what it publishes."""
+class _Link:
+    """One node's subscriber connection, read by its hub's reader thread."""
 
     def __init__(self, hub: Hub, index: int, pool: redis.ConnectionPool) -> None:
-        super().__init__(name=f"redlock-wake-{index}", daemon=True)
         self.hub = hub
         self.index = index
         self.pool = pool
@@ -138,9 +144,12 @@ class _Reader(threading.Thread):
         self._conn: Any = None
         self._send_lock = threading.Lock()
         self._warned = False
-        # Pauses wait on an Event, not time.sleep(): the same monotonic wait, and
-        # it also works under libfaketime (whose sleep() fails, see reliability.md).
-        self._pause = threading.Event()
+        #: Monotonic time before which no new connection is tried.
+        self.retry_at = -math.inf
+        #: A connection is being made (in a thread of its own).
+        self.connecting = False
+        #: The reader ended: a connection made now is closed at once.
+        self.closed = False
 
     def ask(self, channels: Sequence[bytes]) -> None:
         """Subscribe to ``channels`` now if connected (else at the next connect)."""
@@ -156,27 +165,40 @@ class _Reader(threading.Thread):
                 # The reader sees the broken socket on its next read and reconnects.
                 self._asked.difference_update(fresh)
 
-    def _connect(self) -> bool:
+    def connect(self) -> None:
+        """Connect and subscribe to the wanted channels (in a thread of its own:
+        a node that does not answer must not hold up the others' messages)."""
         conn = self.pool.connection_class(**self.pool.connection_kwargs)
         try:
             conn.connect()
         except Exception as exc:
-            self._warn(f"cannot connect: {describe(exc)}")
-            return False
+            self.warn(f"cannot connect: {describe(exc)}")
+            self.retry_at = time.monotonic() + RECONNECT
+            return
         with self._send_lock:
+            if self.closed:
+                conn.disconnect()
+                return
             self._conn = conn
             self._asked = set()
         self.ask(sorted(self.hub.wanted()))
-        return True
 
-    def _warn(self, why: str) -> None:
+    def close(self) -> None:
+        with self._send_lock:
+            self.closed = True
+        self.drop()
+
+    def warn(self, why: str) -> None:
         # Once per outage: a node that is down is normal operation; waiters fall
         # back to their timed retries meanwhile.
         if not self._warned:
             self._warned = True
             logger.info("redlock wake-ups from node %d paused: %s", self.index, why)
 
-    def _drop(self) -> None:
+    def drop(self, why: str | None = None) -> None:
+        if why is not None:
+            self.warn(why)
+            self.retry_at = time.monotonic() + RECONNECT
         with self._send_lock:
             conn, self._conn = self._conn, None
             self._asked = set()
@@ -184,8 +206,8 @@ class _Reader(threading.Thread):
         if conn is not None:
             conn.disconnect()
 
-    def _prune(self) -> None:
-        stale = sorted((self._asked | self.subscribed) - self.hub.wanted())
+    def prune(self, wanted: set[bytes]) -> None:
+        stale = sorted((self._asked | self.subscribed) - wanted)
         if not stale:
             return
         with self._send_lock:
@@ -194,8 +216,21 @@ class _Reader(threading.Thread):
             if conn is not None:
                 conn.send_command("UNSUBSCRIBE", *stale)
 
-    def _on_reply(self, reply: Any) -> None:
-        # Not ``_handle``: Python 3.13's Thread keeps its ``_ThreadHandle`` there.
+    def fileno(self) -> int | None:
+        sock = getattr(self._conn, "_sock", None)
+        try:
+            return sock.fileno() if sock is not None else None
+        except Exception:
+            return None
+
+    def drain(self) -> None:
+        """Read every reply that has arrived (the socket's and the buffers')."""
+        conn = self._conn
+        while conn is not None and conn.can_read(timeout=0):
+            self.on_reply(conn.read_response())
+            self._warned = False
+
+    def on_reply(self, reply: Any) -> None:
         if not isinstance(reply, list) or len(reply) < 3:
             return
         kind, channel = reply[0], reply[1]
@@ -207,37 +242,106 @@ class _Reader(threading.Thread):
         elif kind == b"unsubscribe":
             self.subscribed.discard(channel)
 
+
+class _Reader(threading.Thread):
+    """Reads every node's subscriber connection of one hub, in one thread.
+
+    One thread for all the nodes, not one each: a release reaches a waiter as one
+    message per node, and one poll() that sees several of them wakes one thread
+    once, where a thread per node woke five, each taking the GIL in turn.
+    """
+
+    def __init__(self, hub: Hub) -> None:
+        super().__init__(name=f"redlock-wake-{id(hub):x}", daemon=True)
+        self.hub = hub
+        #: One per node, this reader's own: a reader that is ending drops them
+        #: while the next one (started by a new waiter) connects its own.
+        self.links = [_Link(hub, i, pool) for i, pool in enumerate(hub.pools)]
+        # A connection made in its own thread interrupts the poll through this.
+        self._notify_r, self._notify_w = os.pipe()
+        os.set_blocking(self._notify_r, False)
+        os.set_blocking(self._notify_w, False)
+        self._notify_lock = threading.Lock()
+        self._alive = True
+
     def run(self) -> None:
         # Whether to go on, and which channels to drop, is looked at once per
         # POLL, not per message: under contention messages come thousands of
         # times a second, and each look builds the set of wanted channels.
+        links = self.links
         looked = -POLL
         try:
             while True:
                 now = time.monotonic()
-                due = now - looked >= POLL
-                if due:
+                if now - looked >= POLL:
                     if not self.hub.keep(self):
                         break
                     looked = now
-                if self._conn is None and not self._connect():
-                    self._pause.wait(RECONNECT)
-                    continue
-                try:
-                    if due:
-                        self._prune()
-                    if self._conn.can_read(timeout=POLL):
-                        self._on_reply(self._conn.read_response())
-                        self._warned = False
-                except Exception as exc:
-                    self._warn(describe(exc))
-                    self._drop()
-                    self._pause.wait(RECONNECT)
+                    wanted = self.hub.wanted()
+                    for link in links:
+                        if link._conn is None:
+                            if now >= link.retry_at and not link.connecting:
+                                link.connecting = True
+                                threading.Thread(
+                                    target=self._connect,
+                                    args=(link,),
+                                    name=f"{self.name}-connect-{link.index}",
+                                    daemon=True,
+                                ).start()
+                            continue
+                        try:
+                            link.prune(wanted)
+                        except Exception as exc:
+                            link.drop(describe(exc))
+                for link in self._ready(links):
+                    try:
+                        link.drain()
+                    except Exception as exc:
+                        link.drop(describe(exc))
         finally:
-            # However it ended (even by an unexpected error), the node's slot is
-            # freed: a dead reader must not leave its node without wake-ups.
+            # However it ended (even by an unexpected error), the hub's slot is
+            # freed: a dead reader must not leave its nodes without wake-ups.
             self.hub.forget(self)
-            self._drop()
+            with self._notify_lock:
+                self._alive = False
+                os.close(self._notify_r)
+                os.close(self._notify_w)
+            for link in links:
+                link.close()
+
+    def _ready(self, links: list[_Link]) -> list[_Link]:
+        """Wait up to POLL for replies; return the links that may have some."""
+        fds: dict[int, _Link] = {}
+        ready: list[_Link] = []  # connected, but without a descriptor to poll
+        for link in links:
+            if link._conn is not None:
+                fd = link.fileno()
+                if fd is None:
+                    ready.append(link)
+                else:
+                    fds[fd] = link
+        poller = select.poll()
+        poller.register(self._notify_r, select.POLLIN)
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll((BLIND_POLL if ready else POLL) * 1000):
+            if fd == self._notify_r:
+                with contextlib.suppress(OSError):
+                    os.read(fd, 64)
+            else:
+                ready.append(fds[fd])
+        return ready
+
+    def _connect(self, link: _Link) -> None:
+        try:
+            link.connect()
+        finally:
+            link.connecting = False
+            # Interrupt the poll, so that the new connection is read at once.
+            with self._notify_lock:
+                if self._alive:
+                    with contextlib.suppress(OSError):
+                        os.write(self._notify_w, b"!")
 
 
 class Hub:
@@ -258,7 +362,7 @@ class Hub:
         #: channel names many waiters, so its last release says little of one)
         self._called: dict[bytes, float] = {}
         self._quorum = len(self.pools) // 2 + 1
-        self._readers: list[_Reader | None] = [None] * len(self.pools)
+        self._reader: _Reader | None = None
         self._closed = False
 
     def close(self) -> None:
@@ -289,18 +393,17 @@ class Hub:
                 if missed:
                     watch.fire()
                 return watch
-            if any(r is not None and channel in r.subscribed for r in self._readers):
+            reader = self._reader
+            start = reader is None
+            if reader is None:
+                reader = self._reader = _Reader(self)
+            if any(channel in link.subscribed for link in reader.links):
                 watch.fresh = False
-            started = []
-            for i, reader in enumerate(self._readers):
-                if reader is None:
-                    reader = self._readers[i] = _Reader(self, i, self.pools[i])
-                    started.append(reader)
-        for reader in self._readers:
-            if reader is not None and reader not in started:
-                reader.ask([channel])
-        for reader in started:
+        if start:
             reader.start()
+        else:
+            for link in reader.links:
+                link.ask([channel])
         if missed:
             watch.fire()
         return watch
@@ -308,13 +411,13 @@ class Hub:
     def idle(self) -> bool:
         """Whether nothing is watched and no reader runs: nothing worth keeping."""
         with self._lock:
-            return not self._watches and not any(self._readers)
+            return not self._watches and self._reader is None
 
     def forget(self, reader: _Reader) -> None:
         """Free the slot of a reader that ended, so the next waiter starts another."""
         with self._lock:
-            if self._readers[reader.index] is reader:
-                self._readers[reader.index] = None
+            if self._reader is reader:
+                self._reader = None
 
     def unwatch(self, watch: _Watch) -> None:
         """Stop waking ``watch``; its channel lingers subscribed for a while."""
@@ -337,8 +440,8 @@ class Hub:
 
     def listening(self, index: int, channel: bytes) -> bool:
         """Whether this process's reader on node ``index`` is subscribed."""
-        reader = self._readers[index]
-        return reader is not None and channel in reader.subscribed
+        reader = self._reader
+        return reader is not None and channel in reader.links[index].subscribed
 
     def wanted(self) -> set[bytes]:
         """Channels with waiters, or whose last waiter left less than LINGER ago."""
@@ -360,8 +463,8 @@ class Hub:
         with self._lock:
             if not self._closed and (wanted or self._watches):
                 return True
-            if self._readers[reader.index] is reader:
-                self._readers[reader.index] = None
+            if self._reader is reader:
+                self._reader = None
             return False
 
     def confirmed(self, channel: bytes) -> None:
@@ -386,9 +489,9 @@ class Hub:
         each waiter named once all subscribed nodes reported.
         """
         release, _, named = message.partition(b" ")
-        subscribed = sum(
-            1 for r in self._readers if r is not None and channel in r.subscribed
-        )
+        reader = self._reader
+        links = reader.links if reader is not None else ()
+        subscribed = sum(1 for link in links if channel in link.subscribed)
         need = max(1, min(self._quorum, subscribed))
         with self._lock:
             seen = self._seen.setdefault(channel, {})

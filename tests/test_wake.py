@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +22,8 @@ from harness.held import lock_key
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
 from redlock_django import Redlock, nodes, signals, wake
-from redlock_django.conf import get_settings
+from redlock_django import nodes as nodes_module
+from redlock_django.conf import get_settings, parse_nodes
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
@@ -321,3 +323,54 @@ def _evals(node: Any) -> int:
         for k, v in stats.items()
         if k in ("cmdstat_eval", "cmdstat_evalsha")
     )
+
+
+@contextlib.contextmanager
+def _unanswered_port() -> Iterator[int]:
+    """A loopback port whose listen queue is full: a connect to it is never
+    answered (its SYN dropped), as with a partitioned host, until it times out."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    queued = []
+    try:
+        while True:  # fill the queue until a connect hangs
+            probe = socket.socket()
+            probe.settimeout(0.2)
+            try:
+                probe.connect(("127.0.0.1", port))
+            except TimeoutError:
+                probe.close()
+                break
+            queued.append(probe)
+        yield port
+    finally:
+        for probe in queued:
+            probe.close()
+        listener.close()
+
+
+def test_a_node_whose_connect_hangs_does_not_hold_up_the_others_wake_ups(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The reader connects to each node in a thread of its own: with the fifth node
+    unreachable (its connect hangs for the whole 3 s connect timeout), the four
+    others' subscriptions are confirmed, and their messages read, at once."""
+    with _unanswered_port() as port:
+        urls = [*(node.url for node in nodes[:4]), f"redis://127.0.0.1:{port}/0"]
+        hub = wake.hub(nodes_module.sync_pools(parse_nodes(urls), 3.0))
+        watch = wake.SyncWatch(b"wake:hung-connect")
+        hub.watch(watch)
+        try:
+            _wait_for(
+                lambda: all(hub.listening(i, watch.channel) for i in range(4)),
+                "the four reachable nodes confirm the subscription",
+                limit=1.5,
+            )
+            for node in nodes[:3]:  # a majority of the subscribed nodes
+                node.client().publish(watch.channel, b"release-1")
+            assert watch.wait(1.5)
+        finally:
+            hub.unwatch(watch)
+            hub.close()
