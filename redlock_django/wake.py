@@ -69,6 +69,12 @@ RECONNECT = 0.5
 #: waking a waiter once per node would only send it retries that cannot win. A
 #: process's own channel carries the releases of every fair lock it waits for.
 SEEN = 32
+#: How long a waiter named by fewer than a majority of a release's messages waits
+#: for the rest before it is woken all the same: while two ticket draws race, the
+#: nodes may name different next waiters, and each tells only the process of the
+#: one it names, so no process hears a majority (the release's messages otherwise
+#: arrive within a fraction of a millisecond of each other).
+GRACE = 0.01
 #: Shortest pause before re-acquiring a lock this process just released to waiters.
 HANDOFF_GRACE = 0.002
 
@@ -293,7 +299,9 @@ class _Reader(threading.Thread):
                             link.prune(wanted)
                         except Exception as exc:
                             link.drop(describe(exc))
-                for link in self._ready(links):
+                due = self.hub.overdue()
+                wait = POLL if due is None else min(POLL, due - time.monotonic())
+                for link in self._ready(links, max(0.0, wait)):
                     try:
                         link.drain()
                     except Exception as exc:
@@ -309,8 +317,8 @@ class _Reader(threading.Thread):
             for link in links:
                 link.close()
 
-    def _ready(self, links: list[_Link]) -> list[_Link]:
-        """Wait up to POLL for replies; return the links that may have some."""
+    def _ready(self, links: list[_Link], wait: float) -> list[_Link]:
+        """Wait up to ``wait`` for replies; return the links that may have some."""
         fds: dict[int, _Link] = {}
         ready: list[_Link] = []  # connected, but without a descriptor to poll
         for link in links:
@@ -324,7 +332,8 @@ class _Reader(threading.Thread):
         poller.register(self._notify_r, select.POLLIN)
         for fd in fds:
             poller.register(fd, select.POLLIN)
-        for fd, _ in poller.poll((BLIND_POLL if ready else POLL) * 1000):
+        wait = min(wait, BLIND_POLL) if ready else wait
+        for fd, _ in poller.poll(math.ceil(wait * 1000)):
             if fd == self._notify_r:
                 with contextlib.suppress(OSError):
                     os.read(fd, 64)
@@ -361,6 +370,9 @@ class Hub:
         #: waiter -> monotonic time a release last woke it by name (a process's
         #: channel names many waiters, so its last release says little of one)
         self._called: dict[bytes, float] = {}
+        #: (channel, release id) -> monotonic time by which a release heard from
+        #: fewer than a majority wakes the waiters it named anyway (``GRACE``)
+        self._partial: dict[tuple[bytes, bytes], float] = {}
         self._quorum = len(self.pools) // 2 + 1
         self._reader: _Reader | None = None
         self._closed = False
@@ -503,15 +515,18 @@ class Hub:
             if reports is None:
                 return
             reports.setdefault(named, set()).add(index)
+            now = time.monotonic()
             if len(reports[named]) >= need:
                 names = {named}
             else:
                 everyone = set().union(*reports.values())
                 if len(everyone) < max(need, subscribed):
+                    if named:
+                        self._partial.setdefault((channel, release), now + GRACE)
                     return
                 names = set(reports)
             seen[release] = None
-            now = time.monotonic()
+            self._partial.pop((channel, release), None)
             if b"" in names:
                 self._last[channel] = (now, b"")
             for name in names - {b""}:
@@ -523,6 +538,35 @@ class Hub:
             ]
         for watch in watches:
             watch.fire()
+
+    def overdue(self) -> float | None:
+        """Wake the waiters named by releases heard from too few nodes for
+        ``GRACE``; return when the next such release is due, if any.
+
+        The release stays open: should its majority still come, it wakes them
+        again (one attempt too many, where a missed wake-up would cost a wait).
+        """
+        if not self._partial:
+            return None
+        now = time.monotonic()
+        woken = []
+        with self._lock:
+            for key, due in list(self._partial.items()):
+                if due > now:
+                    continue
+                del self._partial[key]
+                channel, release = key
+                reports = self._seen.get(channel, {}).get(release)
+                names = set(reports or ()) - {b""}
+                for name in names:
+                    self._called[name] = now
+                woken += [
+                    w for w in self._watches.get(channel, ()) if w.waiter in names
+                ]
+            left = min(self._partial.values(), default=None)
+        for watch in woken:
+            watch.fire()
+        return left
 
 
 #: Waiters of this process, on every hub: releases skip their hand-off checks

@@ -374,3 +374,27 @@ def test_a_node_whose_connect_hangs_does_not_hold_up_the_others_wake_ups(
         finally:
             hub.unwatch(watch)
             hub.close()
+
+
+def test_a_waiter_named_by_a_minority_of_a_release_is_woken_after_a_grace(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """While two waiters' ticket draws race, the nodes' queues may name different
+    next waiters for one release, and each node tells only the process of the one
+    it names: a waiter's process may then hear the release from fewer than a
+    majority of the nodes. It is woken all the same once the rest did not come
+    within ``wake.GRACE``, or it would sleep until its next refresh."""
+    hub = _hub()
+    watch = wake.SyncWatch(b"wake:split-release", "w1")
+    hub.watch(watch)
+    try:
+        _wait_for(
+            lambda: all(hub.listening(i, watch.channel) for i in range(len(nodes))),
+            "every node confirms the subscription",
+        )
+        watch.wait(0.1)  # the confirmation's own wake-up (fresh watch), if any
+        for node in nodes[:2]:  # two of five: the others named other waiters
+            node.client().publish(watch.channel, b"release-7 w1")
+        assert watch.wait(2.0)
+    finally:
+        hub.unwatch(watch)
