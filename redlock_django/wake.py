@@ -3,12 +3,9 @@
 A release publishes on the lock's key, used as a pub/sub channel, on every node
 where it deleted the key. Each process keeps one subscriber connection per node,
 and multiplexes every channel its waiters need over it: a thousand waiting
-resources cost five connections, not five thousand. One reader thread polls all
-of them (a release arrives as one message per node, and a thread per node would
-wake once each); it connects to a node in a short-lived thread of its own, so a
-node whose connect hangs does not hold up the others' messages. Blocking waiters
-are woken through a ``threading.Event``, asyncio waiters through their loop, so
-one reader serves both APIs.
+resources cost five connections, not five thousand. One thread reads all of them
+(``readers.py``). Blocking waiters are woken through a ``threading.Event``,
+asyncio waiters through their loop, so one reader serves both APIs.
 
 A release of a fair lock names the next waiter, and publishes that name on a
 channel of the waiter's process alone (``process_tag``; the waiter's queue id
@@ -28,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import secrets
-import select
 import threading
 import time
 from collections.abc import Sequence
@@ -41,8 +36,9 @@ import redis
 from django.core.signals import setting_changed
 
 from .address import NodeSpec
-from .nodes import describe, sync_pools
+from .nodes import sync_pools
 from .protocol import LockSpec
+from .readers import Reader
 
 __all__ = [
     "AsyncWatch",
@@ -59,12 +55,6 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a channel stays subscribed after its last waiter stopped waiting.
 LINGER = 2.0
-#: Longest the reader waits for messages before it looks for idle channels.
-POLL = 0.2
-#: How often a connection class without a socket to poll() is looked at.
-BLIND_POLL = 0.005
-#: Pause between attempts to reconnect a reader to a node that is down.
-RECONNECT = 0.5
 #: Release ids remembered per channel: one release publishes on every node, and
 #: waking a waiter once per node would only send it retries that cannot win. A
 #: process's own channel carries the releases of every fair lock it waits for.
@@ -137,222 +127,6 @@ class AsyncWatch(_Watch):
         return woken
 
 
-class _Link:
-    """One node's subscriber connection, read by its hub's reader thread."""
-
-    def __init__(self, hub: Hub, index: int, pool: redis.ConnectionPool) -> None:
-        self.hub = hub
-        self.index = index
-        self.pool = pool
-        #: Channels this node confirmed; read by the releasing side, written here.
-        self.subscribed: set[bytes] = set()
-        self._asked: set[bytes] = set()
-        self._conn: Any = None
-        self._send_lock = threading.Lock()
-        self._warned = False
-        #: Monotonic time before which no new connection is tried.
-        self.retry_at = -math.inf
-        #: A connection is being made (in a thread of its own).
-        self.connecting = False
-        #: The reader ended: a connection made now is closed at once.
-        self.closed = False
-
-    def ask(self, channels: Sequence[bytes]) -> None:
-        """Subscribe to ``channels`` now if connected (else at the next connect)."""
-        with self._send_lock:
-            conn = self._conn
-            fresh = [c for c in channels if c not in self._asked]
-            if conn is None or not fresh:
-                return
-            self._asked.update(fresh)
-            try:
-                conn.send_command("SUBSCRIBE", *fresh)
-            except Exception:
-                # The reader sees the broken socket on its next read and reconnects.
-                self._asked.difference_update(fresh)
-
-    def connect(self) -> None:
-        """Connect and subscribe to the wanted channels (in a thread of its own:
-        a node that does not answer must not hold up the others' messages)."""
-        conn = self.pool.connection_class(**self.pool.connection_kwargs)
-        try:
-            conn.connect()
-        except Exception as exc:
-            self.warn(f"cannot connect: {describe(exc)}")
-            self.retry_at = time.monotonic() + RECONNECT
-            return
-        with self._send_lock:
-            if self.closed:
-                conn.disconnect()
-                return
-            self._conn = conn
-            self._asked = set()
-        self.ask(sorted(self.hub.wanted()))
-
-    def close(self) -> None:
-        with self._send_lock:
-            self.closed = True
-        self.drop()
-
-    def warn(self, why: str) -> None:
-        # Once per outage: a node that is down is normal operation; waiters fall
-        # back to their timed retries meanwhile.
-        if not self._warned:
-            self._warned = True
-            logger.info("redlock wake-ups from node %d paused: %s", self.index, why)
-
-    def drop(self, why: str | None = None) -> None:
-        if why is not None:
-            self.warn(why)
-            self.retry_at = time.monotonic() + RECONNECT
-        with self._send_lock:
-            conn, self._conn = self._conn, None
-            self._asked = set()
-        self.subscribed = set()
-        if conn is not None:
-            conn.disconnect()
-
-    def prune(self, wanted: set[bytes]) -> None:
-        stale = sorted((self._asked | self.subscribed) - wanted)
-        if not stale:
-            return
-        with self._send_lock:
-            self._asked.difference_update(stale)
-            conn = self._conn
-            if conn is not None:
-                conn.send_command("UNSUBSCRIBE", *stale)
-
-    def fileno(self) -> int | None:
-        sock = getattr(self._conn, "_sock", None)
-        try:
-            return sock.fileno() if sock is not None else None
-        except Exception:
-            return None
-
-    def drain(self) -> None:
-        """Read every reply that has arrived (the socket's and the buffers')."""
-        conn = self._conn
-        while conn is not None and conn.can_read(timeout=0):
-            self.on_reply(conn.read_response())
-            self._warned = False
-
-    def on_reply(self, reply: Any) -> None:
-        if not isinstance(reply, list) or len(reply) < 3:
-            return
-        kind, channel = reply[0], reply[1]
-        if kind == b"message":
-            self.hub.deliver(channel, reply[2], self.index)
-        elif kind == b"subscribe":
-            self.subscribed.add(channel)
-            self.hub.confirmed(channel)
-        elif kind == b"unsubscribe":
-            self.subscribed.discard(channel)
-
-
-class _Reader(threading.Thread):
-    """Reads every node's subscriber connection of one hub, in one thread.
-
-    One thread for all the nodes, not one each: a release reaches a waiter as one
-    message per node, and one poll() that sees several of them wakes one thread
-    once, where a thread per node woke five, each taking the GIL in turn.
-    """
-
-    def __init__(self, hub: Hub) -> None:
-        super().__init__(name=f"redlock-wake-{id(hub):x}", daemon=True)
-        self.hub = hub
-        #: One per node, this reader's own: a reader that is ending drops them
-        #: while the next one (started by a new waiter) connects its own.
-        self.links = [_Link(hub, i, pool) for i, pool in enumerate(hub.pools)]
-        # A connection made in its own thread interrupts the poll through this.
-        self._notify_r, self._notify_w = os.pipe()
-        os.set_blocking(self._notify_r, False)
-        os.set_blocking(self._notify_w, False)
-        self._notify_lock = threading.Lock()
-        self._alive = True
-
-    def run(self) -> None:
-        # Whether to go on, and which channels to drop, is looked at once per
-        # POLL, not per message: under contention messages come thousands of
-        # times a second, and each look builds the set of wanted channels.
-        links = self.links
-        looked = -POLL
-        try:
-            while True:
-                now = time.monotonic()
-                if now - looked >= POLL:
-                    if not self.hub.keep(self):
-                        break
-                    looked = now
-                    wanted = self.hub.wanted()
-                    for link in links:
-                        if link._conn is None:
-                            if now >= link.retry_at and not link.connecting:
-                                link.connecting = True
-                                threading.Thread(
-                                    target=self._connect,
-                                    args=(link,),
-                                    name=f"{self.name}-connect-{link.index}",
-                                    daemon=True,
-                                ).start()
-                            continue
-                        try:
-                            link.prune(wanted)
-                        except Exception as exc:
-                            link.drop(describe(exc))
-                due = self.hub.overdue()
-                wait = POLL if due is None else min(POLL, due - time.monotonic())
-                for link in self._ready(links, max(0.0, wait)):
-                    try:
-                        link.drain()
-                    except Exception as exc:
-                        link.drop(describe(exc))
-        finally:
-            # However it ended (even by an unexpected error), the hub's slot is
-            # freed: a dead reader must not leave its nodes without wake-ups.
-            self.hub.forget(self)
-            with self._notify_lock:
-                self._alive = False
-                os.close(self._notify_r)
-                os.close(self._notify_w)
-            for link in links:
-                link.close()
-
-    def _ready(self, links: list[_Link], wait: float) -> list[_Link]:
-        """Wait up to ``wait`` for replies; return the links that may have some."""
-        fds: dict[int, _Link] = {}
-        ready: list[_Link] = []  # connected, but without a descriptor to poll
-        for link in links:
-            if link._conn is not None:
-                fd = link.fileno()
-                if fd is None:
-                    ready.append(link)
-                else:
-                    fds[fd] = link
-        poller = select.poll()
-        poller.register(self._notify_r, select.POLLIN)
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        wait = min(wait, BLIND_POLL) if ready else wait
-        for fd, _ in poller.poll(math.ceil(wait * 1000)):
-            if fd == self._notify_r:
-                with contextlib.suppress(OSError):
-                    os.read(fd, 64)
-            else:
-                ready.append(fds[fd])
-        return ready
-
-    def _connect(self, link: _Link) -> None:
-        try:
-            link.connect()
-        finally:
-            link.connecting = False
-            # Interrupt the poll, so that the new connection is read at once.
-            with self._notify_lock:
-                if self._alive:
-                    with contextlib.suppress(OSError):
-                        os.write(self._notify_w, b"!")
-
-
 class Hub:
     """The waiters of one process on one set of nodes, and their readers."""
 
@@ -374,11 +148,12 @@ class Hub:
         #: fewer than a majority wakes the waiters it named anyway (``GRACE``)
         self._partial: dict[tuple[bytes, bytes], float] = {}
         self._quorum = len(self.pools) // 2 + 1
-        self._reader: _Reader | None = None
+        self._reader: Reader | None = None
         self._closed = False
 
     def close(self) -> None:
-        """Stop the readers (within ``POLL``); waiters fall back to their timers."""
+        """Stop the reader (within ``readers.POLL``); waiters fall back to their
+        timers."""
         with self._lock:
             self._closed = True
 
@@ -408,7 +183,7 @@ class Hub:
             reader = self._reader
             start = reader is None
             if reader is None:
-                reader = self._reader = _Reader(self)
+                reader = self._reader = Reader(self)
             if any(channel in link.subscribed for link in reader.links):
                 watch.fresh = False
         if start:
@@ -425,7 +200,7 @@ class Hub:
         with self._lock:
             return not self._watches and self._reader is None
 
-    def forget(self, reader: _Reader) -> None:
+    def forget(self, reader: Reader) -> None:
         """Free the slot of a reader that ended, so the next waiter starts another."""
         with self._lock:
             if self._reader is reader:
@@ -469,7 +244,7 @@ class Hub:
                     del self._called[waiter]
             return set(self._watches) | set(self._idle)
 
-    def keep(self, reader: _Reader) -> bool:
+    def keep(self, reader: Reader) -> bool:
         """Whether ``reader`` still has work; a reader told no is forgotten."""
         wanted = self.wanted()
         with self._lock:
