@@ -335,7 +335,7 @@ def _unanswered_port() -> Iterator[int]:
     port = listener.getsockname()[1]
     queued = []
     try:
-        while True:  # fill the queue until a connect hangs
+        for _ in range(64):  # fill the queue until a connect hangs
             probe = socket.socket()
             probe.settimeout(0.2)
             try:
@@ -344,6 +344,8 @@ def _unanswered_port() -> Iterator[int]:
                 probe.close()
                 break
             queued.append(probe)
+        else:
+            raise AssertionError("the listen queue never filled: connects still land")
         yield port
     finally:
         for probe in queued:
