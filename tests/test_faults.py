@@ -1578,7 +1578,12 @@ def test_matrix_killed_holders_locks_are_free_within_ttl_plus_one_retry(
         at = time.monotonic()
         got[i] = (at, at + await api.look(lock, "validity"))
         if i % 2:
-            assert await api.look(lock, "fencing_token") == 2
+            # Above the dead holder's: an attempt that reached some nodes just
+            # before the dead lock expired on the others raised their counters and
+            # failed, so the grant may draw more than one past it (seen in CI).
+            dead = held[i]["fencing_token"]
+            assert dead >= 1
+            assert await api.look(lock, "fencing_token") > dead
         await api.release(lock)
 
     async def main() -> None:
