@@ -9,6 +9,8 @@ connection and to the ones accepted later:
 - ``delay(seconds, requests=0.0)``: hold each chunk of replies (node to client)
   for ``seconds`` after it arrived, and each chunk of requests for ``requests``
   seconds; order is kept;
+- ``trickle(pause)``: relay both ways, but write each reply chunk to the client a
+  byte at a time, ``pause`` seconds apart: a reply split across many packets;
 - ``blackhole()``: read what clients send, forward nothing, answer nothing;
 - ``hold_replies()`` / ``release_replies()``: forward requests, buffer every reply
   until released (a gate), then deliver them in order;
@@ -59,6 +61,7 @@ DELAY = "delay"
 BLACKHOLE = "blackhole"
 HOLD = "hold"
 DROP = "drop"
+TRICKLE = "trickle"
 
 _FORWARD = "forward"
 _SWALLOW = "swallow"
@@ -160,8 +163,15 @@ class _Pipe:
             self.queue.popleft()
             if action == _FORWARD:
                 try:
-                    self.writer.write(data)
-                    await self.writer.drain()
+                    pause = self.proxy._trickle_pause if self.replies else None
+                    if pause is None:
+                        self.writer.write(data)
+                        await self.writer.drain()
+                    else:
+                        for i in range(len(data)):
+                            self.writer.write(data[i : i + 1])
+                            await self.writer.drain()
+                            await asyncio.sleep(pause)
                 except (ConnectionError, OSError):
                     self.conn.close()
                     return
@@ -240,6 +250,8 @@ class FaultProxy:
         self._mode = PASS
         self._reply_delay = 0.0
         self._request_delay = 0.0
+        #: In TRICKLE mode, the pause after each byte of a reply; else None.
+        self._trickle_pause: float | None = None
         self._changed: asyncio.Event | None = None
         # Counters, shared with the test's thread under this condition.
         self._stats = threading.Condition()
@@ -357,6 +369,13 @@ class FaultProxy:
             raise ValueError("delays must be >= 0")
         self._set_mode(DELAY, reply_delay=seconds, request_delay=requests)
 
+    def trickle(self, pause: float) -> None:
+        """Relay both ways; write replies to clients a byte at a time, ``pause``
+        seconds apart (each byte its own packet: asyncio sets TCP_NODELAY)."""
+        if pause < 0:
+            raise ValueError("the pause must be >= 0")
+        self._set_mode(TRICKLE, trickle_pause=pause)
+
     def blackhole(self) -> None:
         """Read from clients but forward nothing and answer nothing."""
         self._set_mode(BLACKHOLE)
@@ -473,12 +492,18 @@ class FaultProxy:
             raise FaultProxyError("the proxy's loop did not answer") from exc
 
     def _set_mode(
-        self, mode: str, *, reply_delay: float = 0.0, request_delay: float = 0.0
+        self,
+        mode: str,
+        *,
+        reply_delay: float = 0.0,
+        request_delay: float = 0.0,
+        trickle_pause: float | None = None,
     ) -> None:
         async def apply() -> None:
             self._mode = mode
             self._reply_delay = reply_delay
             self._request_delay = request_delay
+            self._trickle_pause = trickle_pause
             self._notify()
 
         self._call(apply())

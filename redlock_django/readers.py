@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from .nodes import describe
+from .wire import pending_replies
 
 if TYPE_CHECKING:
     from .wake import Hub
@@ -134,8 +135,10 @@ class Link:
     def drain(self) -> None:
         """Read every reply that has arrived (the socket's and the buffers')."""
         conn = self._conn
-        while conn is not None and conn.can_read(timeout=0):
-            self.on_reply(conn.read_response())
+        if conn is None:
+            return
+        for reply in pending_replies(conn):
+            self.on_reply(reply)
             self._warned = False
 
     def on_reply(self, reply: Any) -> None:
@@ -171,6 +174,10 @@ class Reader(threading.Thread):
         os.set_blocking(self._notify_w, False)
         self._notify_lock = threading.Lock()
         self._alive = True
+        self._poller = select.poll()
+        self._poller.register(self._notify_r, select.POLLIN)
+        #: The descriptors registered with the poller, and their links.
+        self._polled: dict[int, Link] = {}
 
     def run(self) -> None:
         # Whether to go on, and which channels to drop, is looked at once per
@@ -230,17 +237,24 @@ class Reader(threading.Thread):
                     ready.append(link)
                 else:
                     fds[fd] = link
-        poller = select.poll()
-        poller.register(self._notify_r, select.POLLIN)
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
+        # The poller is kept while the descriptors stay the same (nearly always):
+        # after a wake-up this thread goes back to poll(), letting go of the GIL
+        # for the waiter it woke, without building one anew.
+        polled = self._polled
+        if fds != polled:
+            poller = self._poller
+            for fd in polled.keys() - fds.keys():
+                poller.unregister(fd)
+            for fd in fds.keys() - polled.keys():
+                poller.register(fd, select.POLLIN)
+            self._polled = fds
         wait = min(wait, BLIND_POLL) if ready else wait
-        for fd, _ in poller.poll(math.ceil(wait * 1000)):
+        for fd, _ in self._poller.poll(math.ceil(wait * 1000)):
             if fd == self._notify_r:
                 with contextlib.suppress(OSError):
                     os.read(fd, 64)
-            else:
-                ready.append(fds[fd])
+            elif (found := fds.get(fd)) is not None:
+                ready.append(found)
         return ready
 
     def _connect(self, link: Link) -> None:

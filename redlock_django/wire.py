@@ -30,6 +30,7 @@ import inspect
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import redis
@@ -60,6 +61,7 @@ __all__ = [
     "in_flight",
     "pack",
     "path_of",
+    "pending_replies",
     "read",
     "read_response",
     "send",
@@ -277,6 +279,42 @@ def read(conn: Any, timeout: float, direct: bool) -> Any:
     if isinstance(reply, redis.ConnectionError | redis.ResponseError):
         raise reply
     return reply
+
+
+def pending_replies(conn: Any) -> Iterator[Any]:
+    """Yield every whole reply that has arrived on a connection poll() saw readable.
+
+    For the wake-up reader, whose messages come unasked. With ``direct`` (see
+    ``read``): one read of what the socket holds, parsed in the hiredis reader; a
+    message split across packets waits there for the rest. Otherwise redis-py's
+    ``can_read(0)`` and ``read_response()``, reply by reply: a poll() per reply
+    and one more to find none is left.
+    """
+    parser = getattr(conn, "_parser", None)
+    if not path_of(conn).direct or type(parser) is not _HiredisParser:
+        while conn.can_read(timeout=0):
+            yield conn.read_response()
+        return
+    reader, sock = parser._reader, parser._sock
+    if reader is None or sock is None:
+        raise redis.ConnectionError("Connection closed.")
+    try:
+        if sock.gettimeout() is None:  # a blocking descriptor: never wait here
+            data = sock.recv(65536, socket.MSG_DONTWAIT)
+        else:  # non-blocking: read(2) at once, where recv() would poll(2) first
+            data = os.read(sock.fileno(), 65536)
+    except BlockingIOError:
+        data = None  # nothing after all: what is parsed already is still read
+    except OSError as exc:
+        raise redis.ConnectionError(f"Error while reading: {exc}") from None
+    if data is not None:
+        if not data:
+            raise redis.ConnectionError("Connection closed by server.")
+        reader.feed(data)
+    while (reply := reader.gets()) is not _NOT_ENOUGH_DATA:
+        if isinstance(reply, redis.ConnectionError | redis.ResponseError):
+            raise reply
+        yield reply
 
 
 #: Whether each connection class's ``read_response`` declares ``timeout=``.

@@ -401,3 +401,40 @@ def test_a_waiter_named_by_a_minority_of_a_release_is_woken_after_a_grace(
         assert watch.wait(2.0)
     finally:
         hub.unwatch(watch)
+
+
+def test_a_wake_up_that_arrives_a_byte_at_a_time_still_wakes_the_waiter(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """The reader reads what has arrived and parses it in place: a subscription's
+    confirmation and a release's message split over many packets (every node's
+    replies reach the waiter's process a byte per millisecond) are read whole once
+    their last byte came, and the waiter is woken, not left to its 30 s retry."""
+    with contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(FaultProxy(node.port)) for node in nodes]
+        urls = [proxy.url for proxy in proxies]
+        holder = Redlock("wake:trickle", nodes=[node.url for node in nodes])
+        waiter = Redlock(
+            "wake:trickle", nodes=urls, retry_delay=SLOW_RETRY, retry_jitter=0
+        )
+        assert waiter._resolve().spec.key == holder._resolve().spec.key
+        assert holder.acquire(blocking=False)
+        for proxy in proxies:
+            proxy.trickle(0.001)
+        results: list[bool] = []
+        thread = _waiter(waiter, results, timeout=20)
+        channel = holder._resolve().spec.key.encode()
+        config = waiter._resolve()
+        hub = wake.hub(nodes_module.sync_pools(config.nodes, config.node_timeout))
+        _wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
+        _wait_for(
+            lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+            "every node's confirmation, read a byte at a time",
+        )
+        holder.release()
+        thread.join(timeout=25)
+        assert results == [True]
+        got = acquisitions[-1]
+        assert got["wakeups"] == got["attempts"] - 1, "a wait ran out: nothing woke it"
