@@ -230,7 +230,9 @@ class Redlock:
         self, owner: object, hold: Hold, outcome: Release, elapsed: float
     ) -> None:
         holds.drop(owner, hold.config.identity)
-        if outcome.released:
+        # A fair lock's queue already keeps this owner behind those waiting, and
+        # its acquisitions never defer (acquire_flow): nothing to note for it.
+        if outcome.released and hold.config.spec.queue is None:
             config = hold.config
             wake.note_handoff(
                 config.identity,
