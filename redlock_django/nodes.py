@@ -28,7 +28,9 @@ is made (before any timed call), and every connection of the pool shares it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import threading
 import weakref
 from collections.abc import Sequence
@@ -148,8 +150,16 @@ def async_clients(
     """Return one asyncio client (and pool) per node for the running event loop."""
     loop = asyncio.get_running_loop()
     key = _key(nodes, timeout)
+    closed: list[dict[tuple[Any, ...], tuple[redis.asyncio.Redis, ...]]] = []
     with _lock:
-        per_loop = _async.setdefault(loop, {})
+        per_loop = _async.get(loop)
+        if per_loop is None:
+            # A loop's connections refer to it, so the loop outlives its weak key
+            # here: those of the loops closed since the last new one (one per
+            # asyncio.run(), per async_to_sync() call) go now, or every loop and
+            # its sockets would stay for good.
+            closed = [_async.pop(old) for old in list(_async) if old.is_closed()]
+            per_loop = _async[loop] = {}
         pools = per_loop.get(key)
         if pools is None:
             made = []
@@ -173,7 +183,37 @@ def async_clients(
                 )
                 made.append(redis.asyncio.Redis(connection_pool=pool))
             pools = per_loop[key] = tuple(made)
+    for clients in closed:
+        _close_without_loop(clients)
     return pools
+
+
+def _close_without_loop(
+    per_loop: dict[tuple[Any, ...], tuple[redis.asyncio.Redis, ...]],
+) -> None:
+    """Close the connections of an event loop that is closed, without it.
+
+    The node sees the connection end at once (a shutdown); the descriptor is
+    closed with its transport, when that is collected. The connection forgets its
+    streams first: redis-py 5.0's ``__del__`` would close them through the closed
+    loop and print "Exception ignored ... Event loop is closed".
+    """
+    for clients in per_loop.values():
+        for client in clients:
+            pool = client.connection_pool
+            conns = [
+                *getattr(pool, "_available_connections", ()),
+                *getattr(pool, "_in_use_connections", ()),
+            ]
+            for conn in conns:
+                writer = getattr(conn, "_writer", None)
+                if writer is None:
+                    continue
+                sock = writer.get_extra_info("socket")
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                conn._writer = conn._reader = None
 
 
 #: In a forked child, the parent's pools and clients: kept, never used, never
@@ -203,10 +243,14 @@ def reset() -> None:
     with _lock:
         old = list(_sync.values())
         _sync.clear()
+        loops = list(_async.items())
         _async.clear()
     for pools in old:
         for pool in pools:
             pool.disconnect()
+    for loop, per_loop in loops:
+        if loop.is_closed():  # those of a live loop close with their loop's help
+            _close_without_loop(per_loop)
 
 
 def _on_setting_changed(*, setting: str, **kwargs: object) -> None:

@@ -142,3 +142,40 @@ def test_lock_works_over_a_unix_socket(
     finally:
         server.kill()
         server.wait(timeout=10)
+
+
+def test_the_connections_of_a_closed_event_loop_are_closed_not_kept(
+    nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    """Each event loop gets its own connections (``async_clients``), which refer
+    to their loop: kept per loop, they kept every loop and its sockets alive, one
+    per node for each ``asyncio.run()`` (an ``async_to_sync`` call, a task), until
+    the process ran out of descriptors. Once a new loop comes, those of the
+    loops closed since are closed, quietly: redis-py 5.0's connection ``__del__``
+    would close them through the closed loop and print "Exception ignored ...
+    Event loop is closed"."""
+    import asyncio
+    import gc
+    import sys
+
+    async def cycle() -> None:
+        async with Redlock("loop-gone"):
+            pass
+
+    ignored: list[str] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda u: ignored.append(
+        f"{u.exc_type.__name__}: {u.exc_value}"
+    )
+    try:
+        asyncio.run(cycle())
+        before = len(nodes[0].client().client_list())
+        for _ in range(20):
+            asyncio.run(cycle())
+        gc.collect()
+        after = len(nodes[0].client().client_list())
+    finally:
+        sys.unraisablehook = previous
+    assert after <= before, f"{after - before} more connections after 20 event loops"
+    assert len(node_pools._async) <= 1
+    assert ignored == []
