@@ -8,7 +8,9 @@ socket and connect timeouts of NODE_TIMEOUT and no automatic retries (redis-py 8
 defaults to 5 s timeouts and 10 retries, so one hung node would cost a minute, and
 a retried SET NX is not idempotent). RESP2 and no CLIENT SETINFO, so a new
 connection costs no extra round trip. asyncio pools belong to one event loop, so
-they are cached per loop.
+they are cached per loop; their connections refer to the loop, so a closed loop's
+are closed by hand when the next loop starts (``asyncio.run()`` per call would
+otherwise keep every loop and one socket per node).
 
 Blocking TLS connections use redis-py's pure-Python reply parser, even when hiredis
 is installed. With TLS 1.3 the server sends its session tickets just after the
