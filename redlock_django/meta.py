@@ -58,7 +58,12 @@ _second: tuple[int, str] = (-1, "")
 
 
 def _now() -> str:
-    """The time as ``isoformat(timespec="milliseconds")`` of an aware UTC datetime."""
+    """The time as ``isoformat(timespec="milliseconds")`` of an aware UTC datetime.
+
+    Wall-clock time on purpose: it is shown to people (the admin's "Acquired at",
+    ``redlock list``) and compared across hosts. No lease is judged by it: validity
+    is measured on ``time.monotonic()`` (``lock._clock``).
+    """
     global _second
     ms = int(time.time() * 1000)
     whole, frac = divmod(ms, 1000)

@@ -258,27 +258,43 @@ def read(conn: Any, timeout: float, direct: bool) -> Any:
         return read_response(conn, timeout)
     reply = reader.gets()
     while reply is _NOT_ENOUGH_DATA:
-        # The socket is readable: one read(2) on its (non-blocking) descriptor,
-        # where sock.recv() would poll once more first. A reply split across
+        # The socket is readable: one read without waiting. A reply split across
         # packets waits for the rest with recv(), at most the socket timeout.
-        try:
-            data = os.read(sock.fileno(), 65536)
-        except BlockingIOError:
+        data = _read_now(sock)
+        if data is None:
             try:
                 data = sock.recv(65536)
             except TimeoutError:
                 raise redis.TimeoutError("Timeout reading from socket") from None
             except OSError as exc:
                 raise redis.ConnectionError(f"Error while reading: {exc}") from None
-        except OSError as exc:
-            raise redis.ConnectionError(f"Error while reading: {exc}") from None
-        if not data:
-            raise redis.ConnectionError("Connection closed by server.")
+            if not data:
+                raise redis.ConnectionError("Connection closed by server.")
         reader.feed(data)
         reply = reader.gets()
     if isinstance(reply, redis.ConnectionError | redis.ResponseError):
         raise reply
     return reply
+
+
+def _read_now(sock: Any) -> bytes | None:
+    """What ``sock`` holds, in one read that never waits; None when it holds nothing.
+
+    A closed connection or a socket error raises redis-py's ``ConnectionError``.
+    """
+    try:
+        data: bytes
+        if sock.gettimeout() is None:  # a blocking descriptor: ask not to wait
+            data = sock.recv(65536, socket.MSG_DONTWAIT)
+        else:  # non-blocking: read(2) at once, where recv() would poll(2) first
+            data = os.read(sock.fileno(), 65536)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        raise redis.ConnectionError(f"Error while reading: {exc}") from None
+    if not data:
+        raise redis.ConnectionError("Connection closed by server.")
+    return data
 
 
 def pending_replies(conn: Any) -> Iterator[Any]:
@@ -298,18 +314,8 @@ def pending_replies(conn: Any) -> Iterator[Any]:
     reader, sock = parser._reader, parser._sock
     if reader is None or sock is None:
         raise redis.ConnectionError("Connection closed.")
-    try:
-        if sock.gettimeout() is None:  # a blocking descriptor: never wait here
-            data = sock.recv(65536, socket.MSG_DONTWAIT)
-        else:  # non-blocking: read(2) at once, where recv() would poll(2) first
-            data = os.read(sock.fileno(), 65536)
-    except BlockingIOError:
-        data = None  # nothing after all: what is parsed already is still read
-    except OSError as exc:
-        raise redis.ConnectionError(f"Error while reading: {exc}") from None
-    if data is not None:
-        if not data:
-            raise redis.ConnectionError("Connection closed by server.")
+    data = _read_now(sock)
+    if data is not None:  # else nothing after all: what is parsed is still read
         reader.feed(data)
     while (reply := reader.gets()) is not _NOT_ENOUGH_DATA:
         if isinstance(reply, redis.ConnectionError | redis.ResponseError):
