@@ -44,6 +44,7 @@ from .nodes import describe
 from .protocol import (
     LATE,
     LATE_SLACK,
+    TIMED_OUT,
     UNAWAITED,
     Fanout,
     NodeReply,
@@ -187,7 +188,7 @@ async def fanout(
     index: dict[asyncio.Future[None], int] = {c: k for k, c in enumerate(calls)}
     pending: set[asyncio.Future[None]] = set(calls)
     need, winning = step.need, step.wins
-    why = "timed out"
+    why = TIMED_OUT
     deadline = began + timeout
     try:
         wins = 0

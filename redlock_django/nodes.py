@@ -47,6 +47,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .address import NodeSpec, connection_params
+from .protocol import TIMED_OUT
 
 try:  # private: a redis-py without it leaves TLS connections their default parser
     from redis._parsers import _RESP2Parser
@@ -74,7 +75,7 @@ _NO_SETINFO: dict[str, Any] = (
 def describe(exc: BaseException) -> str:
     """Say why a node failed, in a line with no credentials in it."""
     if isinstance(exc, redis.TimeoutError | TimeoutError):
-        return "timed out"
+        return TIMED_OUT
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
 

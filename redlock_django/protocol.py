@@ -64,6 +64,9 @@ LATE = "client ran late"
 #: below the stalls (a blocked loop, a starved thread) that made healthy nodes look
 #: dead.
 LATE_SLACK = 0.5
+#: The error of a node that did not answer within NODE_TIMEOUT (``nodes.describe``'s
+#: word for a timeout, and the drivers' for a node still silent at the deadline).
+TIMED_OUT = "timed out"
 #: Least time given to the other nodes once a quorum decided a fan-out.
 _GRACE = 0.001
 #: Seconds a fair lock's queue entry lives unless its waiter refreshes it (every
@@ -354,6 +357,19 @@ def _failed(spec: LockSpec, replies: Replies, nodes: Sequence[int]) -> dict[str,
     }
 
 
+def _all_silent(spec: LockSpec, failed: dict[str, str]) -> bool:
+    """Whether no node answered at all: every one timed out.
+
+    Five independent masters do not fall silent at once; a host too busy to let
+    any of them run (its CPU, or a VM's, given to others) looks just like that.
+    Such an attempt is tried once more before the nodes are called down; a node
+    that refused the connection, or a minority that did answer, is evidence.
+    """
+    return len(failed) == spec.node_count and all(
+        why == TIMED_OUT for why in failed.values()
+    )
+
+
 def _error(
     cls: type[LockError],
     spec: LockSpec,
@@ -422,7 +438,8 @@ def acquire_flow(
     wait runs out while others hold the lock, and ``QuorumUnavailableError`` at
     once when too few nodes answer to ever make a quorum (an outage: waiting would
     not help), or when the wait runs out while nodes answer too slowly for any
-    validity to be left.
+    validity to be left. "At once" is after one attempt, or two when the first
+    heard no node at all (``_all_silent``) and may wait.
 
     A node whose reply the driver marks ``LATE`` (the client itself resumed too
     late to judge it) is not counted as failed for the outage rule: only replies
@@ -451,6 +468,7 @@ def acquire_flow(
         # fair lock's queue already refuses it while others wait ahead.)
         yield Sleep(defer if wait is None else min(defer, wait))
     attempt = wakeups = 0
+    silent_before = False  # the last attempt heard no node at all
     try:
         while True:
             attempt += 1
@@ -540,7 +558,8 @@ def acquire_flow(
                     place.refresh_at = start + spec.queue_life / 3
             most = spec.node_count - spec.quorum
             down = sum(1 for why in failed.values() if not why.startswith(LATE))
-            if down > most:
+            silent = _all_silent(spec, failed)
+            if down > most and (wait == 0 or not silent or silent_before):
                 raise _error(
                     QuorumUnavailableError,
                     spec,
@@ -548,6 +567,7 @@ def acquire_flow(
                     len(won),
                     failed,
                 )
+            silent_before = silent
             now = clock()
             if deadline is not None and now >= deadline:
                 if len(won) >= spec.quorum:
@@ -814,11 +834,13 @@ def locked_flow(
     Too few answers to decide raise ``QuorumUnavailableError``. When the nodes not
     heard from were only ``LATE`` (the client itself was late: a busy loop), the
     check is made again after a retry delay while ``wait`` lasts (None: without
-    limit), as an acquisition would be.
+    limit), as an acquisition would be; so is a first check that heard no node at
+    all (``_all_silent``).
     """
     every = tuple(range(spec.node_count))
     most = spec.node_count - spec.quorum
     deadline = None if wait is None or clock is None else clock() + wait
+    silent_before = False
     while True:
         replies: Replies = yield Fanout(PTTL_SCRIPT, (spec.key,), ())
         held = sum(1 for r in replies if r.ok and r.value > 0)
@@ -826,16 +848,16 @@ def locked_flow(
         if held >= spec.quorum or len(failed) <= most:
             return held >= spec.quorum
         down = sum(1 for why in failed.values() if not why.startswith(LATE))
-        if down > most:
+        silent = _all_silent(spec, failed)
+        # The wait is over (or there is none): no look again.
+        over = clock is None or (deadline is not None and clock() >= deadline)
+        if down > most and (over or rand is None or not silent or silent_before):
             why = "too few nodes answered"
             break
-        if (
-            clock is None
-            or rand is None
-            or (deadline is not None and clock() >= deadline)
-        ):
+        if over or rand is None:
             why = "the client ran late for the nodes' replies (a busy process)"
             break
+        silent_before = silent
         yield Sleep(retry_delay(spec, rand))
     raise _error(QuorumUnavailableError, spec, why, held, failed, "check")
 

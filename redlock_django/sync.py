@@ -52,6 +52,7 @@ from .nodes import describe
 from .protocol import (
     LATE,
     LATE_SLACK,
+    TIMED_OUT,
     UNAWAITED,
     Fanout,
     NodeReply,
@@ -230,7 +231,7 @@ class _Round:
         self.portable = False
         self.any_tls = False
         self.packed: Any = None
-        self.why = "timed out"
+        self.why = TIMED_OUT
         #: When the last look at the replies, past the deadline, was taken.
         self.looked = math.inf
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +33,7 @@ import redis
 from harness.held import lock_key
 from harness.nodes import NodeSet, RedisNode
 from redlock_django import LockLostError, QuorumUnavailableError, Redlock
+from redlock_django.conf import DEFAULTS
 from redlock_django.protocol import quorum
 from redlock_django.scripts import (
     ACQUIRE_SCRIPT,
@@ -40,6 +42,7 @@ from redlock_django.scripts import (
     PTTL_SCRIPT,
     RELEASE_SCRIPT,
 )
+from redlock_django.signals import lock_acquired
 from tests._api import SyncAPI
 
 FOREIGN = b"foreign-token"
@@ -414,6 +417,97 @@ async def test_quorum_unavailable_is_raised_at_once_with_three_of_five_paused(
     assert holders(nodes, key) == [None] * len(nodes)
     time.sleep(0.05)  # a reset connection's commands would have run by now
     assert {node: script_calls(node) for node in paused} == expected
+
+
+#: The retry delay of the every-node-silent tests: far longer than an attempt and its
+#: clean-up (two node timeouts), so nodes resumed halfway through it can only be met
+#: by a retry.
+SILENT_RETRY = 1.0
+
+
+@pytest.fixture
+def slow_retry(settings: Any, fast_fail: dict[str, Any]) -> dict[str, Any]:
+    """``fast_fail`` with a long, unjittered retry delay."""
+    settings.REDLOCK = {**fast_fail, "RETRY_DELAY": SILENT_RETRY, "RETRY_JITTER": 0.0}
+    return settings.REDLOCK
+
+
+@pytest.fixture
+def attempts() -> Iterator[list[int]]:
+    """The ``attempts`` of every ``lock_acquired`` signal sent during the test."""
+    seen: list[int] = []
+
+    def receiver(**kwargs: Any) -> None:
+        seen.append(kwargs["attempts"])
+
+    lock_acquired.connect(receiver, weak=False)
+    try:
+        yield seen
+    finally:
+        lock_acquired.disconnect(receiver)
+
+
+async def test_every_node_silent_for_one_attempt_is_tried_again_not_an_outage(
+    api: SyncAPI,
+    nodes: NodeSet,
+    slow_retry: dict[str, Any],
+    attempts: list[int],
+    resource: str,
+) -> None:
+    """Every node frozen through one attempt and its clean-up, then resumed: the
+    acquisition retries and wins (two attempts), it does not raise
+    QuorumUnavailableError. No node answered, so none showed it is down: a host
+    too busy to run any of them (a CI machine's cluster run) looks just the same.
+    """
+    load_scripts(nodes)
+    key = lock_key(resource)
+    for node in nodes:
+        node.pause()
+    timer = threading.Timer(SILENT_RETRY / 2, lambda: [n.resume() for n in nodes])
+    timer.start()
+    lock = Redlock(resource)
+    try:
+        won = await api.acquire(lock)
+    finally:
+        timer.join()
+    assert won is True
+    assert attempts == [2]
+    assert len([h for h in holders(nodes, key) if h is not None]) >= quorum(5)
+    await api.release(lock)
+    assert wait_until(lambda: holders(nodes, key) == [None] * len(nodes))
+
+
+async def test_every_node_silent_twice_is_an_outage_and_a_single_try_once(
+    api: SyncAPI, nodes: NodeSet, fast_fail: dict[str, Any], resource: str
+) -> None:
+    """Every node frozen for good: a waiting acquisition raises QuorumUnavailableError
+    after its second silent attempt (two node timeouts each, and a retry delay),
+    never after its 30 s wait; a non-blocking one after its only attempt. Both name
+    every node as timed out. locked() gives up after its second silent look too."""
+    load_scripts(nodes)
+    for node in nodes:
+        node.pause()
+    try:
+        for kwargs, rounds in (({}, 2), ({"blocking": False}, 1)):
+            lock = Redlock(f"{resource}-{rounds}")
+            start = time.monotonic()
+            with pytest.raises(QuorumUnavailableError) as caught:
+                await api.acquire(lock, **kwargs)
+            took = time.monotonic() - start
+            retry = sum(
+                fast_fail.get(k, DEFAULTS[k]) for k in ("RETRY_DELAY", "RETRY_JITTER")
+            )
+            assert took < rounds * 2 * NODE_TIMEOUT + retry + SLACK, (kwargs, took)
+            assert caught.value.failed == {n.url: "timed out" for n in nodes}
+            assert caught.value.granted == 0
+        start = time.monotonic()
+        with pytest.raises(QuorumUnavailableError):
+            await api.locked(Redlock(resource))
+        took = time.monotonic() - start
+        assert took < 2 * NODE_TIMEOUT + retry + SLACK, took
+    finally:
+        for node in nodes:
+            node.resume()
 
 
 def test_command_queued_on_a_paused_node_runs_when_it_resumes(
