@@ -277,8 +277,12 @@ def test_tls_client_on_a_plaintext_port_fails_clearly(
     assert len(error.failed) == 3
     for reason in error.failed.values():
         # The server reads the ClientHello as the start of an inline command and
-        # waits for its end of line: the handshake times out.
-        assert reason == "timed out", reason
+        # waits for its end of line: the handshake times out. No node answered,
+        # so the attempt is made once more (protocol._all_silent), and finds every
+        # node held off for its timed-out connect (sync driver), or times out again.
+        assert reason == "timed out" or reason.startswith(
+            "skipped: connecting timed out"
+        ), reason
     assert sum(n.client().exists(lock_key("tls-to-plain")) for n in nodes) == 0
 
 
