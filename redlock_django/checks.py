@@ -25,7 +25,7 @@ Errors:
 - E009 ``WAIT_TIMEOUT``, ``RETRY_DELAY``, ``RETRY_JITTER``, ``MAX_HOLD`` or
   ``QUEUE_LIFE`` is invalid.
 - E010 ``KEY_PREFIX`` is invalid.
-- E011 ``AUTO_EXTEND``, ``WAKE_UPS`` or ``FAIR`` is not a bool.
+- E011 ``AUTO_EXTEND``, ``WAKE_UPS``, ``FAIR`` or ``HANDOFF`` is not a bool.
 - E012 (deploy) a node is a replica: it refuses writes, and a failover can
   promote it without the keys its master granted.
 - E013 (deploy) two nodes are one server (same ``run_id`` and database) reached
@@ -174,7 +174,7 @@ HINTS = {
     "redlock.E010": "Use a short name such as 'redlock' or 'myproject:lock': at most "
     f"{conf.MAX_KEY_PREFIX_LENGTH} characters, no whitespace, no control characters "
     "and none of * ? [ ] \\.",
-    "redlock.E011": "Set AUTO_EXTEND, WAKE_UPS and FAIR to True or False.",
+    "redlock.E011": "Set AUTO_EXTEND, WAKE_UPS, FAIR and HANDOFF to True or False.",
     "redlock.W001": "The quorum is N//2 + 1, so 2 nodes tolerate no failure and "
     "4 nodes tolerate no more failures than 3: use an odd count, 5 recommended.",
     "redlock.W002": "Databases of one server fail together: give every node its "

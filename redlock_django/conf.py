@@ -76,6 +76,8 @@ DEFAULTS: dict[str, object] = {
     "FAIR": False,
     # Seconds a fair waiter's queue entry lives unless refreshed (every third of it).
     "QUEUE_LIFE": protocol.QUEUE_LIFE,
+    # A fair lock's release hands the lock to the next waiter with its wake-up.
+    "HANDOFF": True,
 }
 
 MAX_TTL = 86400.0
@@ -119,6 +121,7 @@ class RedlockSettings:
     wake_ups: bool = True
     fair: bool = False
     queue_life: float = protocol.QUEUE_LIFE
+    handoff: bool = True
 
 
 class SafeSettingsReporterFilter(SafeExceptionReporterFilter):
@@ -183,6 +186,7 @@ def get_settings() -> RedlockSettings:
         wake_ups=bool(values["WAKE_UPS"]),
         fair=bool(values["FAIR"]),
         queue_life=_seconds(values["QUEUE_LIFE"]),
+        handoff=bool(values["HANDOFF"]),
     )
 
 
@@ -337,7 +341,7 @@ def _validate(
     if reason:
         error("redlock.E010", f"REDLOCK['KEY_PREFIX'] {_show(prefix)} {reason}")
 
-    for name in ("AUTO_EXTEND", "WAKE_UPS", "FAIR"):
+    for name in ("AUTO_EXTEND", "WAKE_UPS", "FAIR", "HANDOFF"):
         if not isinstance(values[name], bool):
             error(
                 "redlock.E011",

@@ -62,6 +62,10 @@ class Hold:
     #: they never overlap: the lease is always the one the nodes applied last.
     extending: threading.Lock = field(default_factory=threading.Lock)
     _aextending: asyncio.Lock | None = None
+    #: A handed-over hold waiting to be extended to its TTL (``confirm.py``),
+    #: and the task that will, for a hold taken by a task.
+    confirming: bool = False
+    confirm_task: Any = None
 
     def aextending(self) -> asyncio.Lock:
         """The asyncio twin of ``extending``, for holds taken by a task."""

@@ -17,6 +17,7 @@ __all__ = [
     "MAX_RESOURCE_LENGTH",
     "check_resource",
     "fence_key",
+    "handoff_key",
     "key_name",
     "lock_key",
     "lock_pattern",
@@ -81,6 +82,12 @@ def queue_keys(resource: str, prefix: str) -> tuple[str, str, str]:
         f"{prefix}:waiters:{name}",
         f"{prefix}:ticket:{name}",
     )
+
+
+def handoff_key(resource: str, prefix: str) -> str:
+    """A fair lock's hand-off records: what a release needs to hand the lock to
+    each waiter (``scripts.FAIR_ACQUIRE_SCRIPT``), by waiter id."""
+    return f"{prefix}:handoff:{key_name(resource)}"
 
 
 def wake_head(prefix: str) -> str:

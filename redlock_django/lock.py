@@ -29,7 +29,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 from asgiref.sync import iscoroutinefunction
 from django.dispatch import Signal
 
-from . import aio, holds, meta, nodes, signals, sync, wake
+from . import aio, confirm, holds, meta, nodes, signals, sync, wake
 from .address import NodeSpec
 from .conf import RedlockSettings, check_seconds, get_settings, parse_nodes
 from .exceptions import (
@@ -196,6 +196,7 @@ class Redlock:
             granted=len(grant.granted),
             quorum=config.spec.quorum,
             nodes=config.spec.node_count,
+            handed=grant.handed,
         )
         return hold
 
@@ -367,6 +368,8 @@ class Redlock:
         hold = self._grant(owner, config, grant, since)
         if hold.watchdog is not None:
             hold.watchdog.start_thread()
+        elif grant.handed:
+            confirm.schedule(hold)
         return True
 
     def release(self) -> None:
@@ -379,6 +382,7 @@ class Redlock:
         hold = self._start_release(owner)
         if hold is None:
             return
+        confirm.cancel(hold)
         if hold.watchdog is not None:
             hold.watchdog.stop()
         flow = self._release_flow(hold)
@@ -480,6 +484,8 @@ class Redlock:
         hold = self._grant(owner, config, grant, since)
         if hold.watchdog is not None:
             hold.watchdog.start_task()
+        elif grant.handed:
+            confirm.schedule_task(hold)
         return True
 
     async def arelease(self) -> None:
@@ -496,6 +502,7 @@ class Redlock:
         await aio.complete(self._arelease_hold(owner, hold))
 
     async def _arelease_hold(self, owner: object, hold: Hold) -> None:
+        confirm.cancel(hold)
         if hold.watchdog is not None:
             await hold.watchdog.astop()
         flow = self._release_flow(hold)

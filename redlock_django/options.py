@@ -16,7 +16,7 @@ from typing import Any
 
 from .address import NodeSpec
 from .conf import RedlockSettings
-from .keys import fence_key, lock_key, queue_keys, wake_head
+from .keys import fence_key, handoff_key, lock_key, queue_keys, wake_head
 from .protocol import LockSpec, drift, validity
 
 __all__ = ["Config", "resolve"]
@@ -139,6 +139,8 @@ def _resolve(shared: _Merged, resource: str, fencing: bool) -> Config:
         queue=queue_keys(resource, prefix) if merged.fair else None,
         queue_life=merged.queue_life,
         wake_head=wake_head(prefix) if merged.fair else "",
+        records=handoff_key(resource, prefix) if merged.fair else "",
+        handoff=merged.fair and merged.handoff and merged.wake_ups,
     )
     return Config(
         spec=spec,

@@ -25,6 +25,7 @@ algorithm again.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable, Generator, Sequence
@@ -211,6 +212,10 @@ class LockSpec:
     #: A fair lock's channel head: a waiter is woken on this followed by its
     #: process's tag (``wake_channel``); "" wakes on the lock key's channel.
     wake_head: str = ""
+    #: A fair lock's hand-off records (what a release needs to hand the lock to a
+    #: waiter), and whether its releases hand over (``HANDOFF``).
+    records: str = ""
+    handoff: bool = False
 
     @property
     def node_count(self) -> int:
@@ -236,6 +241,9 @@ class Grant:
     #: Attempts made, and waits between them that a release cut short.
     attempts: int = 1
     wakeups: int = 0
+    #: Handed over by the previous holder's release (a fair lock): ``valid_until``
+    #: is then the handed lease's, short of the TTL until it is extended.
+    handed: bool = False
 
 
 @dataclass(frozen=True)
@@ -459,7 +467,9 @@ def acquire_flow(
     script, keys = ACQUIRE_SCRIPT, fenced
     place = None if spec.queue is None else _Place(waiter_id(token))
     if place is not None and spec.queue is not None:
-        script, keys = FAIR_ACQUIRE_SCRIPT, (spec.key, *spec.queue, *fenced[1:])
+        keys = (spec.key, *spec.queue, spec.records, *fenced[1:])
+        script = FAIR_ACQUIRE_SCRIPT
+    record: tuple[str, ...] = ("1",) if spec.handoff else ()
     lease = ttl_ms(spec.ttl)
     deadline = None if wait is None else clock() + wait
     if defer > 0 and wait != 0 and place is None:
@@ -480,13 +490,16 @@ def acquire_flow(
                 # once it has one, each attempt refreshes it.
                 queueing = place.ticket is None and wait != 0
                 if queueing:
-                    extra = (place.waiter, ttl_ms(spec.queue_life), 0)
+                    extra = (place.waiter, ttl_ms(spec.queue_life), 0, *record)
                     place.ticket = 0  # from here on, giving up must leave
                 elif place.ticket:
-                    extra = (place.waiter, ttl_ms(spec.queue_life), place.ticket)
+                    life = ttl_ms(spec.queue_life)
+                    extra = (place.waiter, life, place.ticket, *record)
                 else:
-                    extra = (place.waiter, 0)
+                    extra = (place.waiter, 0, 0, *record)
             start = clock()
+            if place is not None:
+                place.attempt, place.started = attempt, start
             try:
                 replies: Replies = yield Fanout(
                     script,
@@ -599,13 +612,20 @@ def acquire_flow(
                 woken = yield from _wait_in_queue(
                     spec, place, now + delay, start, clock
                 )
-            if woken is True:
+            if woken:
                 wakeups += 1
+            if isinstance(woken, dict) and place is not None:
+                # A release handed the lock over with its wake-up: no attempt.
+                handed = _handed(spec, place, token, woken, clock)
+                if handed is not None:
+                    return dataclasses.replace(
+                        handed, attempts=attempt, wakeups=wakeups
+                    )
     except GeneratorExit:
         raise
     except BaseException:
         if place is not None and place.ticket is not None:
-            yield _leave(spec, place)
+            yield _leave(spec, place, token)
         raise
 
 
@@ -619,6 +639,64 @@ class _Place:
     ticket: int | None = None
     #: Clock time its entry must be refreshed by.
     refresh_at: float = 0.0
+    #: The number of the waiter's last attempt, and the clock time it started:
+    #: a hand-off names the attempt whose refusal it follows, and its lease
+    #: counts from that start.
+    attempt: int = 0
+    started: float = 0.0
+
+
+def _handed(
+    spec: LockSpec, place: _Place, token: str, handed: dict[int, str], clock: Clock
+) -> Grant | None:
+    """The grant a release's hand-off makes, or None when it makes none.
+
+    ``handed`` is each node's message: ``<attempt> <lease ms> <ms since the
+    refusal> [<fencing token>]``. A node's key lives at least until the start of
+    that attempt plus the two (the node refused it after it started). Only a
+    hand-off of the waiter's last attempt counts: a later attempt may have taken
+    the handed key over, and its clean-up deleted it. Counted are the nodes that
+    name that attempt, if a quorum do: the lock is valid until
+    the quorum-th latest of their keys ends, less the drift allowance. The fencing
+    token is the least of theirs: every one of them is past the previous holder's,
+    and every later majority meets one of these nodes (docs/fairness.md).
+    """
+    parsed: dict[int, tuple[int, ...]] = {}
+    for index, message in handed.items():
+        try:
+            parsed[index] = tuple(int(part) for part in message.split())
+        except ValueError:
+            continue
+    attempt, start = place.attempt, place.started
+    nodes = tuple(
+        sorted(
+            i
+            for i, fields in parsed.items()
+            if len(fields) >= 3 and fields[0] == attempt
+        )
+    )
+    if len(nodes) < spec.quorum:
+        return None
+    fencing_token = None
+    if spec.fence_key is not None:
+        fences = [parsed[i][3] for i in nodes if len(parsed[i]) >= 4]
+        if len(fences) < len(nodes):
+            return None
+        fencing_token = min(fences)
+    ends = sorted(((parsed[i][1] + parsed[i][2]) / 1000 for i in nodes), reverse=True)
+    life = ends[spec.quorum - 1]
+    valid_until = start + life - drift(life, spec.drift_factor)
+    now = clock()
+    if valid_until <= now:
+        return None
+    return Grant(
+        attempt_token(token, attempt),
+        now,
+        valid_until,
+        nodes,
+        fencing_token,
+        handed=True,
+    )
 
 
 def _ticketed(value: Any) -> bool:
@@ -628,9 +706,11 @@ def _ticketed(value: Any) -> bool:
 
 def _enqueue(spec: LockSpec, place: _Place, ticket: int) -> Fanout:
     assert spec.queue is not None
+    # With the hand-off records: entries it drops as expired lose theirs too.
+    keys = (*spec.queue, spec.records) if spec.records else spec.queue
     return Fanout(
         ENQUEUE_SCRIPT,
-        spec.queue,
+        keys,
         (place.waiter, ticket, ttl_ms(spec.queue_life)),
         need=spec.quorum,
         wins=_ticketed,
@@ -673,17 +753,23 @@ def _settle_place(
     place.refresh_at = clock() + spec.queue_life / 3
 
 
-def _leave(spec: LockSpec, place: _Place) -> Fanout:
-    """Take a waiter that gives up out of the queue on every node, at once."""
+def _leave(spec: LockSpec, place: _Place, token: str) -> Fanout:
+    """Take a waiter that gives up out of the queue on every node, at once, with
+    any lock a release handed to it (a key holding its ``token`` base)."""
     assert spec.queue is not None
-    keys = (*spec.queue[:2], spec.key)
-    args = (place.waiter, release_id(f"left {place.waiter}"), spec.wake_head)
+    keys = (*spec.queue[:2], spec.key, spec.records)
+    args = (
+        place.waiter,
+        release_id(f"left {place.waiter}"),
+        spec.wake_head,
+        f"{token}.",
+    )
     return Fanout(DEQUEUE_SCRIPT, keys, args, critical=True)
 
 
 def _wait_in_queue(
     spec: LockSpec, place: _Place, try_at: float, since: float, clock: Clock
-) -> Generator[Step, Any, bool]:
+) -> Generator[Step, Any, Any]:
     """Queue (if not yet), then wait until ``try_at`` or a release that names us.
 
     The entry is refreshed whenever it is due during the wait. Returns whether a
@@ -696,8 +782,9 @@ def _wait_in_queue(
         if place.ticket:
             nap = min(nap, place.refresh_at - clock())
         channel = wake_channel(spec, place.waiter)
-        if (yield Sleep(max(0.0, nap), channel, place.waiter, since)) is True:
-            return True
+        woken = yield Sleep(max(0.0, nap), channel, place.waiter, since)
+        if woken:
+            return woken  # True, or the nodes' hand-off messages
         if clock() >= try_at:
             return False  # the attempt refreshes the entry too
         if place.ticket and clock() >= place.refresh_at:
@@ -777,6 +864,14 @@ def release_flow(
         # process alone.
         script, keys = QUEUED_RELEASE_SCRIPT, (spec.key, *spec.queue[:2])
         args = (*args, waiter_id(token), spec.wake_head)
+        if spec.handoff:
+            # Hands the lock to that waiter if it left a record (QUEUED_RELEASE):
+            # a fenced one is handed a token past this holder's.
+            keys = (*keys, spec.records)
+            mine = None if lease is None else lease.fencing_token
+            if spec.fence_key is not None and mine is not None:
+                keys = (*keys, spec.fence_key)
+            args = (*args, "-" if mine is None else str(mine))
     replies: Replies = yield Fanout(
         script,
         keys,

@@ -131,8 +131,27 @@ _NOW_MS = """
 local clock = redis.call('time')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 """
+# A fair lock's hand-off records (FAIR_ACQUIRE): one sorted set, every member
+# "<waiter id>|<record>" at score 0, so a waiter's record is found by its id with a
+# lexical range and removed with ZREM (the commands of the documented ACL user, which
+# has no HDEL). Ids are hex and ":", so "<id>|" starts no other waiter's member.
+_RECORDS = """
+local function record_of(key, id)
+  return redis.call('zrange', key, '[' .. id .. '|', '[' .. id .. '|\\255',
+    'BYLEX', 'LIMIT', 0, 1)[1]
+end
+local function drop_record(key, id)
+  local member = record_of(key, id)
+  if member then
+    redis.call('zrem', key, member)
+  end
+  return member
+end
+"""
+
 # Needs ``now`` (``_NOW_MS``) and KEYS[q] and KEYS[w] named by the locals q and w;
 # leaves ``head`` (or false).
+# A local h (or nil) names KEYS[h], the hand-off records: a dropped entry's goes too.
 _LIVE_HEAD_AT_NOW = """
 local head = false
 for _ = 1, 16 do
@@ -142,6 +161,9 @@ for _ = 1, 16 do
   if until_ms > now then break end
   redis.call('zrem', KEYS[q], head)
   redis.call('zrem', KEYS[w], head)
+  if h and KEYS[h] then
+    drop_record(KEYS[h], head)
+  end
   head = false
 end
 """
@@ -163,7 +185,8 @@ local function tell(member, message, head, fallback)
 end
 """
 
-# KEYS[1] queue; KEYS[2] waiters; KEYS[3] ticket counter
+# KEYS[1] queue; KEYS[2] waiters; KEYS[3] ticket counter; KEYS[4] (optional) the
+# hand-off records (see FAIR_ACQUIRE), which lose the dropped entries' records too
 # ARGV[1] waiter id; ARGV[2] ticket (0: draw one here); ARGV[3] entry life in ms
 # returns the ticket the entry was written with. Drawing INCRs the counter; writing
 # a given ticket raises the counter to at least it, so a later draw on this node
@@ -172,11 +195,17 @@ end
 ENQUEUE_SCRIPT = Script(
     "enqueue",
     _NOW_MS
+    + _RECORDS
     + """
 local dead = redis.call('zrangebyscore', KEYS[2], '-inf', now, 'LIMIT', 0, 16)
 if #dead > 0 then
   redis.call('zrem', KEYS[1], unpack(dead))
   redis.call('zrem', KEYS[2], unpack(dead))
+  if KEYS[4] then
+    for _, id in ipairs(dead) do
+      drop_record(KEYS[4], id)
+    end
+  end
 end
 local ticket = tonumber(ARGV[2])
 if ticket == 0 then
@@ -187,32 +216,45 @@ end
 local life = tonumber(ARGV[3])
 redis.call('zadd', KEYS[1], ticket, ARGV[1])
 redis.call('zadd', KEYS[2], now + life, ARGV[1])
-for i = 1, 3 do
+for i = 1, #KEYS do
   redis.call('pexpire', KEYS[i], life * 4)
 end
 return ticket
 """,
 )
 
-# KEYS[1] queue; KEYS[2] waiters; KEYS[3] (optional) the lock key
+# KEYS[1] queue; KEYS[2] waiters; KEYS[3] (optional) the lock key; KEYS[4]
+# (optional, with KEYS[3]) the hand-off records
 # ARGV[1] waiter id; ARGV[2] (with KEYS[3]) an id for the wake-up message; ARGV[3]
-# (optional) the wake-up channels' head (see _TELL)
+# (optional) the wake-up channels' head (see _TELL); ARGV[4] (optional) the
+# waiter's token base followed by its dot
 # returns 1 when the entry was there. A waiter that gives up leaves at once, so a
-# fair queue does not wait out its entry. One that was first in line while the lock
-# is free (a release named it, then it gave up) wakes the next live waiter the way
-# a release would, or that waiter would sleep out its retry.
+# fair queue does not wait out its entry. A lock a release handed to it (its token
+# base, ARGV[4]) is deleted. One that was first in line while the lock is free (a
+# release named it, or handed the lock to it, then it gave up) wakes the next live
+# waiter the way a release would, or that waiter would sleep out its retry.
 DEQUEUE_SCRIPT = Script(
     "dequeue",
     _NOW_MS
     + _TELL
+    + _RECORDS
     + """
-local q, w = 1, 2
+local q, w, h = 1, 2, 4
 """
     + _LIVE_HEAD_AT_NOW
     + """
 local was_first = head == ARGV[1]
 redis.call('zrem', KEYS[2], ARGV[1])
 local left = redis.call('zrem', KEYS[1], ARGV[1])
+if KEYS[4] then
+  drop_record(KEYS[4], ARGV[1])
+end
+if KEYS[3] and ARGV[4] then
+  local owner = redis.pcall('hget', KEYS[3], 'token')
+  if type(owner) == 'string' and string.sub(owner, 1, #ARGV[4]) == ARGV[4] then
+    redis.call('del', KEYS[3])
+  end
+end
 if KEYS[3] and was_first and redis.call('pttl', KEYS[3]) == -2 then
 """
     + _LIVE_HEAD_AT_NOW
@@ -226,20 +268,31 @@ return left
 )
 
 # As ACQUIRE, for a fair lock: KEYS[1] lock key; KEYS[2] queue; KEYS[3] waiters;
-# KEYS[4] ticket counter; KEYS[5] (optional) fencing counter; ARGV[1-3] as ACQUIRE;
-# ARGV[4] waiter id; ARGV[5] entry life in ms, or 0; ARGV[6] (optional) its ticket.
+# KEYS[4] ticket counter; KEYS[5] hand-off records; KEYS[6] (optional) fencing
+# counter; ARGV[1-3] as ACQUIRE; ARGV[4] waiter id; ARGV[5] entry life in ms, or 0;
+# ARGV[6] (optional) its ticket; ARGV[7] (optional, "1") leave a hand-off record.
 # A free key is granted only when the queue's first live entry is ARGV[4] or the
-# queue is empty; otherwise it writes no lock (not our turn: -2). A refusal returns
-# {-1 or -2, the waiter's ticket (0: not queued here), how many entries are ahead
-# of it (-1: not queued), the ms until the first entry expires unless refreshed}.
+# queue is empty; otherwise it writes no lock (not our turn: -2). A key held by an
+# earlier attempt of ours (a release handed it to us, or a clean-up was lost) is
+# ours to take over whatever the queue says: while two waiters' ticket draws race,
+# a release may hand the lock to one that is second in line on another node's
+# count a moment later, and neither could take it otherwise until it expired.
+# A refusal returns {-1 or -2, the waiter's ticket (0: not queued here), how many
+# entries are ahead of it (-1: not queued), the ms until the first entry expires
+# unless refreshed}.
 # With ARGV[5] > 0 it also queues the waiter, or refreshes its entry, as ENQUEUE
 # does: with the ticket ARGV[6] when given (a waiter that has its place), else
 # drawing one (or finding its entry, a resent command). A waiter's first attempt
-# takes its place in the same round trip, and each later one keeps it fresh.
+# takes its place in the same round trip, and each later one keeps it fresh. With
+# ARGV[7] a refusal that queues also records, by waiter id, what a release needs
+# to hand the lock over: "<token>|<node ms>|<lease ms>|<f or ->|<metadata>" (this
+# attempt's token, when this node refused it, the lease asked for, whether the
+# waiter takes a fencing token, its holder metadata).
 FAIR_ACQUIRE_SCRIPT = Script(
     "fair_acquire",
-    _read_fence(5)
+    _read_fence(6)
     + _NOW_MS
+    + _RECORDS
     + """
 local function refuse(code)
   local life = tonumber(ARGV[5])
@@ -263,6 +316,19 @@ local function refuse(code)
       redis.call('pexpire', KEYS[i], life * 4)
     end
   end
+  if ARGV[7] == '1' and ticket > 0 then
+    -- What a release needs to hand the lock to this attempt (QUEUED_RELEASE): a
+    -- record rewritten by every refused attempt, so it names the last one.
+    local had = drop_record(KEYS[5], ARGV[4])
+    if life > 0 or had then
+      local fenced = KEYS[6] and 'f' or '-'
+      redis.call('zadd', KEYS[5], 0, ARGV[4] .. '|' .. ARGV[1] .. '|' .. now .. '|'
+        .. ARGV[2] .. '|' .. fenced .. '|' .. ARGV[3])
+    end
+    if life > 0 then
+      redis.call('pexpire', KEYS[5], life * 4)
+    end
+  end
   local rank = redis.call('zrank', KEYS[2], ARGV[4]) or -1
   local first = redis.call('zrange', KEYS[2], 0, 0)[1]
   local left = -1
@@ -275,15 +341,15 @@ end
     + _READ_OWNER
     + _TAKE_OVER.replace("return -1", "return refuse(-1)")
     + """
-local q, w = 2, 3
+local q, w, h = 2, 3, 5
 """
     + _LIVE_HEAD_AT_NOW
     + """
-if head and head ~= ARGV[4] then
+if head and head ~= ARGV[4] and not owner then
   return refuse(-2)
 end
 """
-    + _grant(5),
+    + _grant(6),
 )
 
 # Deletes KEYS[1] when our token (ARGV[1]) holds it, leaving ``deleted``; else
@@ -298,28 +364,80 @@ local deleted = redis.call('del', KEYS[1])"""
 )
 
 # As RELEASE, for a lock with a wait queue: KEYS[1] lock key; KEYS[2] queue;
-# KEYS[3] waiters; ARGV[1] token; ARGV[2] release id; ARGV[3] the holder's waiter id;
-# ARGV[4] (optional) the wake-up channels' head (see _TELL).
+# KEYS[3] waiters; KEYS[4] (optional) hand-off records; KEYS[5] (optional) fencing
+# counter; ARGV[1] token; ARGV[2] release id; ARGV[3] the holder's waiter id;
+# ARGV[4] the wake-up channels' head (see _TELL); ARGV[5] (with KEYS[4]: hand
+# over) the holder's fencing token, or "-" for none.
 # The holder's own entry leaves the queue whatever the key holds; when our token
 # held the key, it is deleted and the release is published as "<release id>
 # <first live waiter>" to that waiter's process (or the id alone on the lock's
 # channel, nobody waiting): only that waiter is woken.
+# Handing over: when that waiter left a record (FAIR_ACQUIRE) the lock is written
+# for it first, with its token and metadata, for its lease or what is left of its
+# queue entry if less, and the message adds "<attempt> <lease ms> <ms since the
+# refusal> [<fencing token>]". A fenced waiter gets max(counter, ARGV[5]) + 1, and
+# only from a fenced holder. If nobody heard the message (the waiter's process is
+# gone) the lock is deleted again: a hand-off exists only where it was heard.
 QUEUED_RELEASE_SCRIPT = Script(
     "queued_release",
     _TELL
+    + _RECORDS
     + """
 redis.call('zrem', KEYS[2], ARGV[3])
 redis.call('zrem', KEYS[3], ARGV[3])
+if KEYS[4] then
+  drop_record(KEYS[4], ARGV[3])
+end
 """
     + _DELETE_OURS
     + """
-local q, w = 2, 3
+local q, w, h = 2, 3, 4
 """
     + _LIVE_HEAD
     + """
 local heard
 if head then
-  heard = tell(head, ARGV[2] .. ' ' .. head, ARGV[4], KEYS[1])
+  local message = ARGV[2] .. ' ' .. head
+  local handed = false
+  local record = KEYS[4] and ARGV[5] and drop_record(KEYS[4], head)
+  if record then
+    local token, at, ask, fenced, meta = string.match(
+      record, '^[^|]+|([^|]+)|(%d+)|(%d+)|([f-])|(.*)$')
+    local attempt = token and string.match(token, '%.(%d+)$')
+    local lease = 0
+    if attempt then
+      local ends = tonumber(redis.call('zscore', KEYS[3], head) or '0')
+      lease = math.min(tonumber(ask), ends - now)
+    end
+    local fence = nil
+    if lease > 0 and fenced == 'f' then
+      local raw = KEYS[5] and ARGV[5] ~= '-' and redis.call('get', KEYS[5]) or '0'
+      local had = tonumber(raw)
+      if KEYS[5] and ARGV[5] ~= '-' and had and tonumber(ARGV[5]) then
+        fence = math.max(had, tonumber(ARGV[5])) + 1
+      else
+        lease = 0
+      end
+    end
+    if lease > 0 then
+      if fence then
+        redis.call('set', KEYS[5], fence)
+        redis.call('hset', KEYS[1], 'token', token, 'meta', meta, 'fence', fence)
+      else
+        redis.call('hset', KEYS[1], 'token', token, 'meta', meta)
+      end
+      redis.call('pexpire', KEYS[1], lease)
+      handed = true
+      message = message .. ' ' .. attempt .. ' ' .. lease .. ' ' .. (now - tonumber(at))
+      if fence then
+        message = message .. ' ' .. fence
+      end
+    end
+  end
+  heard = tell(head, message, ARGV[4], KEYS[1])
+  if handed and (type(heard) ~= 'number' or heard == 0) then
+    redis.call('del', KEYS[1])
+  end
 else
   heard = redis.pcall('publish', KEYS[1], ARGV[2])
 end

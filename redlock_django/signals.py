@@ -5,7 +5,10 @@ Each sends ``lock`` (the ``Redlock``) and ``resource``, plus:
 - ``lock_acquired``: ``waited`` (seconds spent acquiring), ``fencing_token``,
   ``attempts`` (tries on the nodes), ``wakeups`` (waits between tries that a
   release announcement cut short, see ``wake.py``), ``granted`` (nodes that
-  granted the winning try), ``quorum`` and ``nodes`` (how many the lock runs on).
+  granted the winning try), ``quorum`` and ``nodes`` (how many the lock runs on),
+  ``handed`` (True when a fair lock's release handed it over with its wake-up,
+  ``docs/fairness.md``: no try of its own won it, and its lease is the handed one
+  until extended to the TTL).
 - ``lock_contended``: ``waited``, ``error`` (the ``LockContentionError``); the
   wait ran out while others held it.
 - ``lock_unavailable``: ``waited``, ``error``; too few nodes answered.

@@ -47,6 +47,7 @@ OUTCOME = "redlock.outcome"
 WAIT = "redlock.wait_seconds"
 ATTEMPTS = "redlock.attempts"
 WAKEUPS = "redlock.wakeups"
+HANDED = "redlock.handed"
 GRANTED = "redlock.granted"
 QUORUM = "redlock.quorum"
 NODES = "redlock.nodes"
@@ -165,6 +166,7 @@ def install(tracer_provider: Any = None) -> bool:
                     WAIT: waited,
                     ATTEMPTS: kwargs.get("attempts", 1),
                     WAKEUPS: kwargs.get("wakeups", 0),
+                    HANDED: bool(kwargs.get("handed", False)),
                     GRANTED: kwargs.get("granted", 0),
                     QUORUM: kwargs.get("quorum", 0),
                     NODES: kwargs.get("nodes", 0),

@@ -13,7 +13,10 @@ carries the tag): the other processes waiting for the lock are not disturbed by
 a release that is not for them.
 
 A wake-up is a hint, never a grant: the woken waiter simply tries again at once.
-The timed retry stays as the fallback, so a missed message (a node down, a lock
+The one exception is a fair lock's hand-off: a release that wrote the lock for the
+waiter it names says so in its message, and a majority of such messages is the
+waiter's grant (``protocol._handed``), delivered with the wake-up. The timed retry
+stays as the fallback, so a missed message (a node down, a lock
 that expired instead of being released) costs at most one retry delay. A channel
 stays subscribed for ``LINGER`` seconds after its last waiter left, so a lock under
 steady contention is not re-subscribed on every wait, and the reader thread ends
@@ -78,6 +81,14 @@ class _Watch:
         #: Set until a node confirms the subscription: the waiter's last attempt
         #: ran before it could hear a release, so the confirmation wakes it once.
         self.fresh = True
+        #: A release's hand-off to this waiter: node index -> the message's
+        #: details, set before the wake-up that delivers it.
+        self.handed: dict[int, str] | None = None
+
+    def _woken(self, woken: bool) -> Any:
+        """What a wait returns: the hand-off if one came with the wake-up."""
+        handed, self.handed = self.handed, None
+        return handed if woken and handed else woken
 
     def fire(self) -> None:
         raise NotImplementedError
@@ -93,13 +104,14 @@ class SyncWatch(_Watch):
     def fire(self) -> None:
         self._event.set()
 
-    def wait(self, seconds: float) -> bool:
-        """Wait up to ``seconds``; return whether a wake-up ended the wait."""
+    def wait(self, seconds: float) -> Any:
+        """Wait up to ``seconds``; return whether a wake-up ended the wait (or
+        the hand-off it brought: ``_Watch.handed``)."""
         woken = self._event.wait(seconds)
         # Cleared before the next attempt: a release during that attempt sets it
         # again, so the wait after a failed attempt does not miss it.
         self._event.clear()
-        return woken
+        return self._woken(woken)
 
 
 class AsyncWatch(_Watch):
@@ -115,8 +127,9 @@ class AsyncWatch(_Watch):
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._event.set)
 
-    async def wait(self, seconds: float) -> bool:
-        """Wait up to ``seconds``; return whether a wake-up ended the wait."""
+    async def wait(self, seconds: float) -> Any:
+        """Wait up to ``seconds``; return whether a wake-up ended the wait (or
+        the hand-off it brought: ``_Watch.handed``)."""
         try:
             async with asyncio.timeout(seconds):
                 await self._event.wait()
@@ -124,7 +137,7 @@ class AsyncWatch(_Watch):
         except TimeoutError:
             woken = False
         self._event.clear()
-        return woken
+        return self._woken(woken)
 
 
 class Hub:
@@ -147,6 +160,9 @@ class Hub:
         #: (channel, release id) -> monotonic time by which a release heard from
         #: fewer than a majority wakes the waiters it named anyway (``GRACE``)
         self._partial: dict[tuple[bytes, bytes], float] = {}
+        #: (channel, release id, waiter) -> node index -> the hand-off details
+        #: of a release not yet heard from a majority (see ``deliver``)
+        self._handed: dict[tuple[bytes, bytes, bytes], dict[int, str]] = {}
         self._quorum = len(self.pools) // 2 + 1
         self._reader: Reader | None = None
         self._closed = False
@@ -267,7 +283,9 @@ class Hub:
         """Node ``index`` published ``message``: wake waiters once per release.
 
         The message is ``<release id>`` or, from a fair lock, ``<release id>
-        <waiter>``: then only that waiter is woken (the others keep sleeping).
+        <waiter>``: then only that waiter is woken (the others keep sleeping). A
+        release that handed the lock to the waiter adds the details
+        (``protocol._handed``), which reach the waiter with its wake-up.
         Once, when a majority of the nodes reported it (or every node subscribed,
         if fewer are): a release reaches the nodes one by one, and a waiter woken
         by the first message would try while most nodes still hold the key, fail,
@@ -276,6 +294,7 @@ class Hub:
         each waiter named once all subscribed nodes reported.
         """
         release, _, named = message.partition(b" ")
+        named, _, details = named.partition(b" ")
         reader = self._reader
         links = reader.links if reader is not None else ()
         subscribed = sum(1 for link in links if channel in link.subscribed)
@@ -290,6 +309,11 @@ class Hub:
             if reports is None:
                 return
             reports.setdefault(named, set()).add(index)
+            if details:
+                key = (channel, release, named)
+                if key not in self._handed and len(self._handed) >= SEEN:
+                    del self._handed[next(iter(self._handed))]
+                self._handed.setdefault(key, {})[index] = details.decode()
             now = time.monotonic()
             if len(reports[named]) >= need:
                 names = {named}
@@ -311,6 +335,11 @@ class Hub:
                 for w in self._watches.get(channel, ())
                 if b"" in names or w.waiter in names
             ]
+            for name in names:
+                handed = self._handed.pop((channel, release, name), None)
+                for watch in watches:
+                    if handed and watch.waiter == name:
+                        watch.handed = handed
         for watch in watches:
             watch.fire()
 
@@ -333,6 +362,10 @@ class Hub:
                 channel, release = key
                 reports = self._seen.get(channel, {}).get(release)
                 names = set(reports or ()) - {b""}
+                for name in names:
+                    # Too few nodes handed it over: the attempt the wake-up
+                    # starts takes their keys over (a later attempt of its own).
+                    self._handed.pop((channel, release, name), None)
                 for name in names:
                     self._called[name] = now
                 woken += [

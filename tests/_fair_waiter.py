@@ -2,9 +2,10 @@
 
 It configures Django itself with the node URLs it is given, acquires ``--resource``
 with ``fair=True`` (waiting up to ``--timeout``), prints one JSON line when it got
-the lock (``at``: CLOCK_MONOTONIC, system-wide on Linux; ``attempts`` and
-``wakeups`` from the ``lock_acquired`` signal), holds it ``--hold`` seconds,
-releases it and exits. A wait that runs out prints ``{"event": "gave up"}``.
+the lock (``at``: CLOCK_MONOTONIC, system-wide on Linux; ``attempts``,
+``wakeups`` and ``handed`` from the ``lock_acquired`` signal), holds it
+``--hold`` seconds, releases it and exits. A wait that runs out prints
+``{"event": "gave up"}``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--retry-delay", type=float, default=0.05)
     parser.add_argument("--node-timeout", type=float, default=0.2)
     parser.add_argument("--queue-life", type=float, default=None)
+    parser.add_argument("--no-handoff", action="store_true")
+    parser.add_argument(
+        "--loop", type=float, default=0.0, help="acquire and release for so long"
+    )
     args = parser.parse_args(argv)
 
     import django
@@ -41,6 +46,7 @@ def main(argv: list[str]) -> int:
             "RETRY_JITTER": 0,
             "FAIR": True,
             **({} if args.queue_life is None else {"QUEUE_LIFE": args.queue_life}),
+            **({"HANDOFF": False} if args.no_handoff else {}),
         },
     )
     django.setup()
@@ -49,10 +55,16 @@ def main(argv: list[str]) -> int:
     got: dict[str, Any] = {}
 
     def on_acquired(**kwargs: Any) -> None:
-        got.update(attempts=kwargs["attempts"], wakeups=kwargs["wakeups"])
+        got.update(
+            attempts=kwargs["attempts"],
+            wakeups=kwargs["wakeups"],
+            handed=kwargs["handed"],
+        )
 
     signals.lock_acquired.connect(on_acquired, weak=False)
     lock = Redlock(args.resource)
+    if args.loop:
+        return _loop(lock, args.name, args.loop, args.timeout, got)
     if not lock.acquire(timeout=args.timeout):
         print(json.dumps({"event": "gave up", "name": args.name}), flush=True)
         return 0
@@ -63,6 +75,35 @@ def main(argv: list[str]) -> int:
     )
     time.sleep(args.hold)
     lock.release()
+    return 0
+
+
+def _loop(lock: Any, name: str, seconds: float, timeout: float, got: Any) -> int:
+    """Acquire and release in a loop; print the count, the longest wait and how
+    many acquisitions were handed over."""
+    waits: list[float] = []
+    handed = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        began = time.monotonic()
+        if not lock.acquire(timeout=timeout):
+            print(json.dumps({"event": "gave up", "name": name}), flush=True)
+            return 0
+        waits.append(time.monotonic() - began)
+        handed += bool(got.get("handed"))
+        lock.release()
+    print(
+        json.dumps(
+            {
+                "event": "looped",
+                "name": name,
+                "acquired": len(waits),
+                "handed": handed,
+                "longest": max(waits),
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from harness.nodes import NodeSet
-from redlock_django import Redlock
-from redlock_django.keys import lock_key, queue_keys
+from redlock_django import Redlock, signals
+from redlock_django.keys import handoff_key, lock_key, queue_keys
 from redlock_django.protocol import QUEUE_LIFE
 from redlock_django.scripts import ENQUEUE_SCRIPT, FAIR_ACQUIRE_SCRIPT
 
@@ -76,12 +76,13 @@ def line_up(
     Returns the holder and the processes."""
 
     def start(
-        resource: str, names: str, retry_delay: float = SLOW_RETRY
+        resource: str, names: str, retry_delay: float = SLOW_RETRY, *extra: str
     ) -> tuple[Redlock, list[subprocess.Popen[str]]]:
         holder = hold(resource, fair=True)
         procs = []
         for k, name in enumerate(names, start=1):
-            procs.append(spawn(name, resource, "--retry-delay", str(retry_delay)))
+            delay = ("--retry-delay", str(retry_delay))
+            procs.append(spawn(name, resource, *delay, *extra))
             _wait_until_queued(nodes, resource, k)
         return holder, procs
 
@@ -92,6 +93,12 @@ def _queued(nodes: NodeSet, resource: str) -> list[int]:
     """Per node, how many entries the resource's queue holds."""
     queue = queue_keys(resource, "redlock")[0]
     return [node.client().zcard(queue) for node in nodes]
+
+
+def _records(nodes: NodeSet, resource: str) -> list[int]:
+    """Per node, how many hand-off records the resource has."""
+    records = handoff_key(resource, "redlock")
+    return [node.client().zcard(records) for node in nodes]
 
 
 def _wait_until_queued(nodes: NodeSet, resource: str, count: int) -> None:
@@ -138,13 +145,14 @@ def _assert_served_in_order_each_woken(
 ) -> None:
     """The waiters got the lock in the order ``names``, and every wait between
     their attempts ended by a wake-up (none slept out its 30 s retry): each
-    release woke the next waiter in line."""
+    release woke the next waiter in line. A release that handed the lock over
+    woke the waiter once more, after its last attempt."""
     results = [_result(proc) for proc in procs]
     assert all(r["event"] == "acquired" for r in results), results
     order = [r["name"] for r in sorted(results, key=lambda r: r["at"])]
     assert order == list(names)
     for r in results:
-        assert r["wakeups"] == r["attempts"] - 1, r
+        assert r["wakeups"] == r["attempts"] - 1 + r["handed"], r
 
 
 def test_waiters_in_other_processes_get_the_lock_in_the_order_they_queued(
@@ -154,6 +162,29 @@ def test_waiters_in_other_processes_get_the_lock_in_the_order_they_queued(
     holder.release()
     _assert_served_in_order_each_woken(procs, "abcd")
     assert _queued(nodes, "fair:order") == [0] * len(nodes)
+
+
+@pytest.mark.parametrize("handoff", [True, False], ids=["handoff", "no-handoff"])
+def test_a_release_hands_the_lock_to_the_next_waiter_with_its_wake_up(
+    handoff: bool, redlock_settings: dict[str, Any], line_up: Callable[..., Any]
+) -> None:
+    """Three waiters in their own processes, queued behind a holder: each release
+    writes the lock for the next waiter on the nodes and says so in its wake-up, so
+    the waiter holds it without another attempt: its last wake-up is not followed
+    by one. (A waiter's first wake-up may be its own subscription's confirmation,
+    which it answers with an attempt: a release before could not reach it.) The
+    negative control: waiters that leave no hand-off record (``HANDOFF`` off in
+    their processes) need the attempt their last wake-up starts."""
+    extra = () if handoff else ("--no-handoff",)
+    holder, procs = line_up("fair:handoff", "abc", SLOW_RETRY, *extra)
+    holder.release()
+    results = [_result(proc) for proc in procs]
+    order = [r["name"] for r in sorted(results, key=lambda r: r["at"])]
+    assert order == list("abc")
+    for r in results:
+        assert r["handed"] is handoff, r
+        assert r["wakeups"] == r["attempts"] - (0 if handoff else 1), r
+        assert r["attempts"] <= (2 if handoff else 3), r
 
 
 @contextlib.contextmanager
@@ -213,7 +244,8 @@ def test_a_release_tells_only_the_process_of_the_waiter_it_names(
 def test_a_newcomer_does_not_take_a_free_lock_from_a_queued_waiter(
     redlock_settings: dict[str, Any], line_up: Callable[..., Any]
 ) -> None:
-    holder, [waiter] = line_up("fair:barge", "a")
+    # The waiter leaves no hand-off record, so the release leaves the lock free.
+    holder, [waiter] = line_up("fair:barge", "a", SLOW_RETRY, "--no-handoff")
     os.kill(waiter.pid, signal.SIGSTOP)  # queued, and cannot take its turn
     holder.release()
     assert not Redlock("fair:barge", fair=True).acquire(blocking=False)
@@ -282,6 +314,9 @@ def test_a_dead_or_frozen_first_waiter_delays_the_next_by_at_most_its_queue_entr
     # then the second's timed retry (50 ms here) finds the lock free and itself
     # first in line.
     assert got["at"] - stopped < QUEUE_LIFE + 0.5, got["at"] - stopped
+    # The frozen waiter was handed the lock (its process still listens), the killed
+    # one was not; either way no hand-off record outlives the queue entries.
+    assert _records(nodes, "fair:dead") == [0] * len(nodes)
 
 
 def test_a_shorter_queue_life_setting_bounds_a_frozen_first_waiters_delay(
@@ -475,3 +510,227 @@ def test_a_cancelled_asyncio_waiter_leaves_the_queue(
 def test_fair_must_be_a_bool(value: Any) -> None:
     with pytest.raises(ValueError, match=r"fair must be True or False, not "):
         Redlock("fair:bad", fair=value)
+
+
+def _holders_on(nodes: NodeSet, resource: str) -> list[str | None]:
+    """Per node, the token that holds the lock (None where nobody does)."""
+    key = lock_key(resource, "redlock")
+    return [
+        (token.decode() if (token := node.client().hget(key, "token")) else None)
+        for node in nodes
+    ]
+
+
+@pytest.fixture
+def events() -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """The lock signals sent during the test: ``(name, kwargs)``, in order."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    receivers = []
+    for name in ("lock_acquired", "lock_extended", "lock_lost"):
+
+        def receiver(_name: str = name, **kwargs: Any) -> None:
+            seen.append((_name, kwargs))
+
+        getattr(signals, name).connect(receiver, weak=False)
+        receivers.append((name, receiver))
+    yield seen
+    for name, receiver in receivers:
+        getattr(signals, name).disconnect(receiver)
+
+
+def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    hold: Callable[..., Redlock],
+    events: list[tuple[str, dict[str, Any]]],
+) -> None:
+    """A handed-over lease is what was left of the waiter's queue entry (here at
+    most 0.6 s), not its 10 s TTL: the keys say so, and so does ``validity``.
+    Halfway through it the lock is extended to the TTL (``lock_extended``), so a
+    hold longer than the handed lease keeps its lock; a hold released before then
+    is never extended."""
+    settings.REDLOCK = {**redlock_settings, "QUEUE_LIFE": 0.6, "TTL": 10.0}
+    key = lock_key("fair:confirm", "redlock")
+    for hold_for, extended in ((1.2, True), (0.05, False)):
+        holder = hold("fair:confirm", fair=True)
+        waiter = Redlock("fair:confirm", fair=True, retry_delay=SLOW_RETRY)
+        seen: dict[str, Any] = {}
+
+        def take(
+            waiter: Redlock = waiter,
+            seen: dict[str, Any] = seen,
+            hold_for: float = hold_for,
+        ) -> None:
+            assert waiter.acquire(timeout=20)
+            seen["validity"] = waiter.validity
+            seen["pttl"] = [node.client().pttl(key) for node in nodes]
+            time.sleep(hold_for)
+            seen["lost"] = waiter.lost
+            waiter.release()
+
+        events.clear()
+        thread = threading.Thread(target=take)
+        thread.start()
+        _wait_until_queued(nodes, "fair:confirm", 1)
+        holder.release()
+        thread.join(10)
+        acquired = [kw for name, kw in events if name == "lock_acquired"]
+        assert acquired[-1]["handed"] is True, acquired
+        assert 0 < seen["validity"] <= 0.6, seen
+        assert all(0 < pttl <= 600 for pttl in seen["pttl"]), seen
+        assert seen["lost"] is False, seen
+        time.sleep(0.5)  # past half the handed lease of the short hold too
+        extensions = [kw for name, kw in events if name == "lock_extended"]
+        if extended:
+            assert len(extensions) == 1, events
+            assert extensions[0]["validity"] > 9.0, extensions
+        else:
+            assert extensions == [], extensions
+        assert not any(name == "lock_lost" for name, _ in events), events
+
+
+def test_fencing_tokens_grow_through_hand_offs(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    hold: Callable[..., Redlock],
+    events: list[tuple[str, dict[str, Any]]],
+) -> None:
+    """Three fenced waiters are handed the lock one after another: each handed
+    token is past the one before (every node that hands over raises its counter
+    past the releasing holder's token), and an ordinary acquisition afterwards
+    draws past them all. A waiter released to by an unfenced holder is not handed
+    a token: it takes the lock with its own attempt, past the last token too."""
+    holder = hold("fair:fenced-handoff", fair=True, fencing=True)
+    tokens: dict[str, tuple[int | None, bool]] = {}
+
+    def take(name: str, fencing: bool = True) -> None:
+        lock = Redlock(
+            "fair:fenced-handoff", fair=True, fencing=fencing, retry_delay=SLOW_RETRY
+        )
+        handed: list[bool] = []
+
+        def on_acquired(**kwargs: Any) -> None:
+            if kwargs["lock"] is lock:
+                handed.append(kwargs["handed"])
+
+        signals.lock_acquired.connect(on_acquired, weak=False)
+        try:
+            assert lock.acquire(timeout=20)
+            tokens[name] = (lock.fencing_token, handed[-1])
+            time.sleep(0.05)
+            lock.release()
+        finally:
+            signals.lock_acquired.disconnect(on_acquired)
+
+    threads = []
+    for k, name in enumerate("abc", start=1):
+        threads.append(threading.Thread(target=take, args=(name,)))
+        threads[-1].start()
+        _wait_until_queued(nodes, "fair:fenced-handoff", k)
+    first = holder.fencing_token
+    holder.release()
+    for thread in threads:
+        thread.join(20)
+    assert first is not None
+    drawn = [tokens[name][0] for name in "abc"]
+    assert [tokens[name][1] for name in "abc"] == [True] * 3, tokens
+    assert [first, *drawn] == sorted(set([first, *drawn])), (first, tokens)
+    later = Redlock("fair:fenced-handoff", fair=True, fencing=True)
+    with later:
+        last = later.fencing_token
+        assert last is not None
+        assert last > max(t for t in drawn if t is not None)
+    # An unfenced holder has no token to pass on: the fenced waiter is not handed
+    # the lock, and its own attempt draws past every token so far.
+    unfenced = hold("fair:fenced-handoff", fair=True)
+    waiter = threading.Thread(target=take, args=("d",))
+    waiter.start()
+    _wait_until_queued(nodes, "fair:fenced-handoff", 1)
+    unfenced.release()
+    waiter.join(20)
+    assert tokens["d"][1] is False, tokens
+    assert tokens["d"][0] is not None and tokens["d"][0] > last, (tokens, last)
+
+
+def test_a_waiter_cancelled_after_a_hand_off_frees_the_lock_and_wakes_the_next(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The release hands the lock to an asyncio waiter whose event loop is busy,
+    and the waiter is cancelled before it could take it: its leaving deletes the
+    lock handed to it (else it would stay locked for the handed lease) and wakes
+    the next waiter, which then gets the lock at once despite its 30 s retry."""
+    resource = "fair:handed-cancel"
+    held, release, released = threading.Event(), threading.Event(), threading.Event()
+
+    def holder() -> None:  # a thread of its own, since the loop's will be busy
+        lock = Redlock(resource, fair=True)
+        assert lock.acquire(blocking=False)
+        held.set()
+        release.wait(30)
+        lock.release()
+        released.set()
+
+    holding = threading.Thread(target=holder)
+    holding.start()
+    assert held.wait(10)
+    before = _holders_on(nodes, resource)
+
+    async def main() -> tuple[list[str | None], float]:
+        first = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+        second = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+        task = asyncio.create_task(first.aacquire(timeout=20))
+        while min(_queued(nodes, resource)) < 1:
+            await asyncio.sleep(0.01)
+
+        async def take_and_release() -> float:
+            assert await second.aacquire(timeout=20)
+            got = time.monotonic()
+            await second.arelease()
+            return got
+
+        queued_second = asyncio.create_task(take_and_release())
+        while min(_queued(nodes, resource)) < 2:
+            await asyncio.sleep(0.01)
+        # The loop is blocked from here until the cancellation: the release's
+        # hand-off reaches the process, but the waiter cannot run to take it.
+        release.set()
+        assert released.wait(10)
+        handed = _holders_on(nodes, resource)
+        time.sleep(0.1)  # the wake-up reaches the reader thread
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        cancelled = time.monotonic()
+        took = await asyncio.wait_for(queued_second, 10) - cancelled
+        return handed, took
+
+    handed, took = asyncio.run(main())
+    holding.join(10)
+    # Handed over: every node holds a token, and not the holder's any more.
+    assert all(token is not None for token in handed), handed
+    assert not set(handed) & set(before), (before, handed)
+    assert took < 5, took  # woken by the leaving, not its 30 s retry
+    assert _holders_on(nodes, resource) == [None] * len(nodes)
+
+
+def test_no_acquisition_of_a_hot_fair_lock_waits_for_a_handed_lease_to_run_out(
+    redlock_settings: dict[str, Any], spawn: Callable[..., Any]
+) -> None:
+    """Four processes take and release one fair lock in a loop for 4 s. While two
+    waiters' ticket draws race, a release may hand the lock to the waiter that is
+    second in line on the nodes a moment later: that waiter must be able to take
+    over the lock it was handed (it was refused as "not your turn", and the first
+    in line as "held", until the handed lease ran out: stalls of QUEUE_LIFE, 2 s,
+    several times a run). No wait comes near that, and most acquisitions were
+    handed over."""
+    procs = [
+        spawn(name, "fair:hot", "--loop", "4", "--retry-delay", "0.05")
+        for name in "abcd"
+    ]
+    results = [_result(proc) for proc in procs]
+    assert all(r["event"] == "looped" for r in results), results
+    longest = max(r["longest"] for r in results)
+    assert longest < QUEUE_LIFE / 2, results
+    acquired = sum(r["acquired"] for r in results)
+    assert sum(r["handed"] for r in results) > acquired / 2, results

@@ -778,3 +778,63 @@ def test_release_on_fewer_than_a_quorum_of_nodes_is_short() -> None:
 def test_tolerated_failures_is_what_the_quorum_leaves(nodes, tolerated):
     """An even count tolerates no more failures than one node fewer would."""
     assert tolerated_failures(nodes) == tolerated
+
+
+# A fair lock's hand-off: the grant a majority of a release's messages makes.
+
+
+def _waiting(attempt: int, started: float) -> Any:
+    from redlock_django.protocol import _Place
+
+    place = _Place("w")
+    place.attempt, place.started = attempt, started
+    return place
+
+
+def test_a_hand_off_of_the_last_attempt_by_a_majority_is_a_grant() -> None:
+    from redlock_django.protocol import _handed
+
+    clock = FakeClock(1000.5)
+    # Nodes 0-2 handed attempt 3 over; their keys end 0.3 s + 1.5 s, 0.3 s + 1.2 s
+    # and 0.3 s + 1.8 s after the attempt's start: valid until the majority-th
+    # (3rd) latest of them, 1.5 s, less the drift allowance on that span.
+    messages = {0: "3 1500 300", 1: "3 1200 300", 2: "3 1800 300"}
+    grant = _handed(spec(), _waiting(3, 1000.0), "base", messages, clock)
+    assert grant is not None and grant.handed
+    assert grant.token == "base.3" and grant.granted == (0, 1, 2)
+    assert grant.started == 1000.5
+    assert grant.valid_until == pytest.approx(1000.0 + 1.5 - drift(1.5, 0.01))
+    assert grant.fencing_token is None
+
+
+def test_a_fenced_hand_off_takes_the_least_token_of_the_nodes_counted() -> None:
+    from redlock_django.protocol import _handed
+
+    messages = {0: "2 1500 0 7", 2: "2 1500 0 9", 4: "2 1500 0 8"}
+    grant = _handed(spec(fencing=True), _waiting(2, 1000.0), "b", messages, FakeClock())
+    assert grant is not None and grant.fencing_token == 7
+    # A node that sent no token cannot be counted for a fenced lock.
+    messages[4] = "2 1500 0"
+    assert (
+        _handed(spec(fencing=True), _waiting(2, 1000.0), "b", messages, FakeClock())
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        {0: "3 1500 0", 1: "3 1500 0"},  # a minority
+        {0: "2 1500 0", 1: "2 1500 0", 2: "2 1500 0"},  # an earlier attempt
+        {0: "3 1500 0", 1: "3 1500 0", 2: "2 1500 0", 3: "x"},  # mixed, unreadable
+        {0: "3 100 0", 1: "3 100 0", 2: "3 100 0"},  # ran out before it was read
+    ],
+    ids=["minority", "earlier-attempt", "mixed", "run-out"],
+)
+def test_a_hand_off_that_makes_no_majority_of_the_last_attempt_is_no_grant(
+    messages: dict[int, str],
+) -> None:
+    from redlock_django.protocol import _handed
+
+    clock = FakeClock(1000.2)
+    assert _handed(spec(), _waiting(3, 1000.0), "base", messages, clock) is None

@@ -22,11 +22,11 @@ import redis
 
 from harness.held import held_on, lock_key
 from harness.nodes import NodeSet, RedisNodeError
-from redlock_django import QuorumUnavailableError, Redlock, listing
+from redlock_django import QuorumUnavailableError, Redlock, listing, signals
 from redlock_django import conf as redlock_conf
 from redlock_django import nodes as node_pools
 from redlock_django.address import parse_node
-from redlock_django.keys import queue_keys
+from redlock_django.keys import handoff_key, queue_keys
 from tests._tls import (
     Certificates,
     TLSRedisNode,
@@ -401,6 +401,12 @@ def test_documented_app_user_can_queue_for_a_fair_lock_and_be_served(
     counter draw run under the documented app user too."""
     urls = acl_urls(acl_nodes, f"redlock-app:{APP_PASSWORD}")
     settings.REDLOCK = lock_settings(urls, FAIR=True)
+    handed: list[bool] = []
+
+    def on_acquired(**kwargs: Any) -> None:
+        handed.append(kwargs["handed"])
+
+    signals.lock_acquired.connect(on_acquired, weak=False)
     holder = Redlock("acl:fair", fencing=True)
     assert holder.acquire(blocking=False)
     got: list[int | None] = []
@@ -418,7 +424,14 @@ def test_documented_app_user_can_queue_for_a_fair_lock_and_be_served(
         time.sleep(0.01)
     holder.release()
     waiter.join(timeout=10)
+    signals.lock_acquired.disconnect(on_acquired)
     assert got == [2]  # woken by the release (not its 30 s retry), the next token
+    # Handed over by the release, and the hand-off records gone with their waiter.
+    assert handed == [False, True], handed
+    records = handoff_key("acl:fair", "redlock")
+    assert [a.exists(records) and a.zcard(records) for a in acl_nodes] == [0] * len(
+        acl_nodes
+    )
 
 
 def test_an_app_user_without_the_fair_lock_commands_still_takes_fenced_locks(
