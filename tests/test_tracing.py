@@ -103,6 +103,7 @@ def test_acquire_and_release_are_spans_under_the_callers_span(
         "redlock.wait_seconds": pytest.approx(seconds(acquire), abs=1e-6),
         "redlock.attempts": 1,
         "redlock.wakeups": 0,
+        "redlock.handed": False,
         "redlock.quorum": 3,
         "redlock.nodes": 5,
         "redlock.fencing_token": 1,
