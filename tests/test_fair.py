@@ -538,7 +538,9 @@ def events() -> Iterator[list[tuple[str, dict[str, Any]]]]:
         getattr(signals, name).disconnect(receiver)
 
 
+@pytest.mark.parametrize("owner", ["thread", "task"])
 def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
+    owner: str,
     settings: Any,
     redlock_settings: dict[str, Any],
     nodes: NodeSet,
@@ -549,7 +551,8 @@ def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
     most 0.6 s), not its 10 s TTL: the keys say so, and so does ``validity``.
     Halfway through it the lock is extended to the TTL (``lock_extended``), so a
     hold longer than the handed lease keeps its lock; a hold released before then
-    is never extended."""
+    is never extended. For a hold taken by a thread the process's timer thread
+    extends it, for one taken by a task a task on its loop."""
     settings.REDLOCK = {**redlock_settings, "QUEUE_LIFE": 0.6, "TTL": 10.0}
     key = lock_key("fair:confirm", "redlock")
     for hold_for, extended in ((1.2, True), (0.05, False)):
@@ -569,8 +572,23 @@ def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
             seen["lost"] = waiter.lost
             waiter.release()
 
+        async def atake(
+            waiter: Redlock = waiter,
+            seen: dict[str, Any] = seen,
+            hold_for: float = hold_for,
+        ) -> None:
+            assert await waiter.aacquire(timeout=20)
+            seen["validity"] = waiter.validity
+            seen["pttl"] = [node.client().pttl(key) for node in nodes]
+            await asyncio.sleep(hold_for)
+            seen["lost"] = waiter.lost
+            await waiter.arelease()
+
         events.clear()
-        thread = threading.Thread(target=take)
+        if owner == "thread":
+            thread = threading.Thread(target=take)
+        else:
+            thread = threading.Thread(target=asyncio.run, args=(atake(),))
         thread.start()
         _wait_until_queued(nodes, "fair:confirm", 1)
         holder.release()
