@@ -105,6 +105,13 @@ class _Timer:
                         )
 
 
+def _flow(hold: Hold) -> Any:
+    """Start the one extension of ``hold`` to its TTL (``confirming`` cleared)."""
+    hold.confirming = False
+    spec = hold.config.spec
+    return extend_flow(spec, hold.lease, spec.ttl, _clock)
+
+
 def _extend(hold: Hold) -> None:
     """Extend ``hold`` to its TTL, unless released or being extended already."""
     # A manual extend() under way extends it too; a release clears ``confirming``.
@@ -113,16 +120,10 @@ def _extend(hold: Hold) -> None:
     try:
         if not hold.confirming:
             return
-        hold.confirming = False
         config = hold.config
-        spec = config.spec
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         try:
-            extension = sync.run(
-                extend_flow(spec, hold.lease, spec.ttl, _clock),
-                pools,
-                config.node_timeout,
-            )
+            extension = sync.run(_flow(hold), pools, config.node_timeout)
         except LockLostError as exc:
             report_lost(hold, str(exc), type(hold.lock))
             return
@@ -168,13 +169,10 @@ def schedule_task(hold: Hold) -> None:
         async with hold.aextending():
             if not hold.confirming:
                 return
-            hold.confirming = False
             config = hold.config
-            spec = config.spec
             clients = nodes.async_clients(config.nodes, config.node_timeout)
-            flow = extend_flow(spec, hold.lease, spec.ttl, _clock)
             try:
-                extension = await aio.run(flow, clients, config.node_timeout)
+                extension = await aio.run(_flow(hold), clients, config.node_timeout)
             except LockLostError as exc:
                 report_lost(hold, str(exc), type(hold.lock))
                 return

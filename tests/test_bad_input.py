@@ -103,6 +103,9 @@ CASES = [
         "WAKE_UPS", "yes", r"redlock\.E011: REDLOCK\['WAKE_UPS'\] is 'yes', not a bool"
     ),
     setting("FAIR", 1, r"redlock\.E011: REDLOCK\['FAIR'\] is 1, not a bool"),
+    setting(
+        "HANDOFF", "no", r"redlock\.E011: REDLOCK\['HANDOFF'\] is 'no', not a bool"
+    ),
     setting("KEY_PREFIX", "", r"redlock\.E010: .* is empty"),
     setting("KEY_PREFIX", "lock*", r"redlock\.E010: .* pattern character"),
     setting("KEY_PREFIX", "my lock", r"redlock\.E010: .* whitespace"),
