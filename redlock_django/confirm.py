@@ -4,9 +4,12 @@ A fair lock's release may hand the lock to the next waiter with its wake-up
 (``protocol._handed``): the lease it gets is what was left of the waiter's queue
 entry (at most ``QUEUE_LIFE``), often shorter than the TTL it asked for. Most holds
 of a hot lock end long before half of it; those that do not are extended to their
-TTL then. Holds taken by threads share one timer thread per process (a release
-before the time costs a heap entry skipped, not a wake-up); holds taken by tasks
-get a task on their own event loop, cancelled by the release.
+TTL then, and an extension that fails (nodes silent for a moment, the client
+late) is tried again while the handed lease lasts, as the watchdog's are
+(``protocol.confirm_retry_delay``). Holds taken by threads share one timer thread
+per process (a release before the time costs a heap entry skipped, not a
+wake-up); holds taken by tasks get a task on their own event loop, cancelled by
+the release. An extension by the owner itself (``extend()``) ends the need.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import heapq
 import itertools
 import logging
 import os
+import random
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -24,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from . import aio, nodes, signals, sync
 from .exceptions import LockLostError
 from .holds import report_lost
-from .protocol import extend_flow
+from .protocol import confirm_retry_delay, extend_flow
 
 if TYPE_CHECKING:
     from .holds import Hold
@@ -34,6 +38,7 @@ __all__ = ["cancel", "schedule", "schedule_task"]
 logger = logging.getLogger("redlock_django.lock")
 
 _clock = time.monotonic
+_jitter = random.random
 
 #: Holds due within this many seconds of each other are extended in one wake-up of
 #: the timer thread: a little early, never late, and at most a few wake-ups a
@@ -60,8 +65,10 @@ class _Timer:
         #: When the thread wakes next (inf: waiting for work).
         self._wakes_at = float("inf")
 
-    def schedule(self, hold: Hold) -> None:
-        at = _due(hold)
+    def schedule(self, hold: Hold, at: float | None = None) -> None:
+        """Extend ``hold`` at monotonic time ``at`` (default: when it falls due)."""
+        if at is None:
+            at = _due(hold)
         with self._cond:
             heapq.heappush(self._heap, (at, next(self._order), hold))
             if self._thread is None:
@@ -106,16 +113,16 @@ class _Timer:
 
 
 def _flow(hold: Hold) -> Any:
-    """Start the one extension of ``hold`` to its TTL (``confirming`` cleared)."""
-    hold.confirming = False
+    """One extension of ``hold`` to its TTL."""
     spec = hold.config.spec
     return extend_flow(spec, hold.lease, spec.ttl, _clock)
 
 
 def _extend(hold: Hold) -> None:
-    """Extend ``hold`` to its TTL, unless released or being extended already."""
-    # A manual extend() under way extends it too; a release clears ``confirming``.
+    """Extend ``hold`` to its TTL, unless released or extended already; a try that
+    fails, or that meets a manual extend() under way, is scheduled again."""
     if not hold.extending.acquire(blocking=False):
+        _again(hold, None)
         return
     try:
         if not hold.confirming:
@@ -125,28 +132,45 @@ def _extend(hold: Hold) -> None:
         try:
             extension = sync.run(_flow(hold), pools, config.node_timeout)
         except LockLostError as exc:
+            hold.confirming = False
             report_lost(hold, str(exc), type(hold.lock))
             return
     finally:
         hold.extending.release()
-    _extended(hold, extension.valid_until)
+    _again(hold, extension.valid_until)
 
 
-def _extended(hold: Hold, valid_until: float | None) -> None:
-    if valid_until is None:
+def _again(hold: Hold, valid_until: float | None) -> None:
+    """After a try: schedule the next one on the timer thread, if one is due."""
+    delay = _next_try(hold, valid_until)
+    if delay is not None:
+        _timer.schedule(hold, _clock() + delay)
+
+
+def _next_try(hold: Hold, valid_until: float | None) -> float | None:
+    """Seconds until ``hold``'s next try, or None when it is done: extended to
+    ``valid_until``, released, extended by its owner, or out of time."""
+    if not hold.confirming:
+        return None
+    if valid_until is not None:
+        hold.confirming = False
+        signals.lock_extended.send(
+            sender=type(hold.lock),
+            lock=hold.lock,
+            resource=hold.config.spec.resource,
+            validity=valid_until - _clock(),
+        )
+        return None
+    delay = confirm_retry_delay(hold.config.spec, hold.lease, _clock(), _jitter)
+    if delay is None:
+        hold.confirming = False
         logger.warning(
             "redlock %r: a handed-over hold could not be extended to its TTL; its "
             "lease ends in %.3fs",
             hold.config.spec.resource,
-            hold.lease.valid_until - _clock(),
+            max(0.0, hold.lease.valid_until - _clock()),
         )
-        return
-    signals.lock_extended.send(
-        sender=type(hold.lock),
-        lock=hold.lock,
-        resource=hold.config.spec.resource,
-        validity=valid_until - _clock(),
-    )
+    return delay
 
 
 _timer = _Timer()
@@ -160,23 +184,26 @@ def schedule(hold: Hold) -> None:
 
 def schedule_task(hold: Hold) -> None:
     """Extend a task's handed-over ``hold`` halfway through its lease, from a
-    task on the running loop."""
+    task on the running loop (tried again while the handed lease lasts)."""
     hold.confirming = True
-    delay = _due(hold) - _clock()
+    delay: float | None = _due(hold) - _clock()
 
     async def confirm() -> None:
-        await asyncio.sleep(delay)
-        async with hold.aextending():
-            if not hold.confirming:
-                return
-            config = hold.config
-            clients = nodes.async_clients(config.nodes, config.node_timeout)
-            try:
-                extension = await aio.run(_flow(hold), clients, config.node_timeout)
-            except LockLostError as exc:
-                report_lost(hold, str(exc), type(hold.lock))
-                return
-        _extended(hold, extension.valid_until)
+        nonlocal delay
+        while delay is not None:
+            await asyncio.sleep(delay)
+            async with hold.aextending():
+                if not hold.confirming:
+                    return
+                config = hold.config
+                clients = nodes.async_clients(config.nodes, config.node_timeout)
+                try:
+                    extension = await aio.run(_flow(hold), clients, config.node_timeout)
+                except LockLostError as exc:
+                    hold.confirming = False
+                    report_lost(hold, str(exc), type(hold.lock))
+                    return
+            delay = _next_try(hold, extension.valid_until)
 
     hold.confirm_task = asyncio.ensure_future(confirm())
 

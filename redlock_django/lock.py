@@ -430,6 +430,9 @@ class Redlock:
     def _extended(self, hold: Hold, extension: Extension) -> bool:
         if extension.valid_until is None:
             return False
+        # Extended by its owner: a handed-over hold's own extension to the TTL is
+        # no longer needed, and would shorten a longer lease asked for here.
+        hold.confirming = False
         self._send(signals.lock_extended, validity=extension.valid_until - _clock())
         return True
 

@@ -957,6 +957,18 @@ def locked_flow(
     raise _error(QuorumUnavailableError, spec, why, held, failed, "check")
 
 
+def confirm_retry_delay(
+    spec: LockSpec, lease: Lease, now: float, rand: Random
+) -> float | None:
+    """After a handed-over lease's extension failed: seconds until the next try
+    (a retry delay, or half of what is left of the lease if sooner), or None
+    once the lease is lost or over and no try could keep it."""
+    left = lease.valid_until - now
+    if lease.lost is not None or left <= 0:
+        return None
+    return min(retry_delay(spec, rand), left / 2)
+
+
 def watchdog_delay(lease: Lease, ttl: float, now: float) -> float:
     """Return how long to wait before extending: about a third into each lease."""
     return max(0.0, lease.valid_until - now - ttl * 2 / 3)

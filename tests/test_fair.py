@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from harness.nodes import NodeSet
-from redlock_django import Redlock, signals
+from redlock_django import LockLostError, Redlock, signals
 from redlock_django.keys import handoff_key, lock_key, queue_keys
 from redlock_django.protocol import QUEUE_LIFE
 from redlock_django.scripts import ENQUEUE_SCRIPT, FAIR_ACQUIRE_SCRIPT
@@ -606,6 +606,123 @@ def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
         else:
             assert extensions == [], extensions
         assert not any(name == "lock_lost" for name, _ in events), events
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_handed_over_hold_whose_extension_fails_tries_again_and_keeps_its_lock(
+    owner: str,
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    hold: Callable[..., Redlock],
+    events: list[tuple[str, dict[str, Any]]],
+) -> None:
+    """Three of five nodes are frozen (SIGSTOP) while the extension halfway
+    through a handed lease runs, and resumed before that lease ends. The failed
+    extension is tried again while the handed lease lasts, as the watchdog does,
+    so the hold keeps its lock past the handed lease: without the second try it
+    lost it (``lost`` True, ``LockLostError`` on release) although every node
+    answered again long before."""
+    settings.REDLOCK = {**redlock_settings, "QUEUE_LIFE": 2.0, "TTL": 10.0}
+    resource = "fair:confirm-retry"
+    holder = hold(resource, fair=True)
+    waiter = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+    frozen = nodes[:3]
+    seen: dict[str, Any] = {}
+
+    def freeze_around_the_extension(validity: float) -> None:
+        # The extension is due halfway through the handed lease: freeze before
+        # it, resume well before the lease ends.
+        due = validity / 2
+        time.sleep(max(0.0, due - 0.35))
+        for node in frozen:
+            node.pause()
+        time.sleep(0.65)
+        for node in frozen:
+            node.resume()
+
+    def hold_past_the_handed_lease(validity: float) -> float:
+        seen["validity"] = validity
+        freezer = threading.Thread(target=freeze_around_the_extension, args=(validity,))
+        freezer.start()
+        return validity + 0.6
+
+    def take() -> None:
+        assert waiter.acquire(timeout=20)
+        time.sleep(hold_past_the_handed_lease(waiter.validity))
+        seen["lost"] = waiter.lost
+        try:
+            waiter.release()
+        except LockLostError as exc:
+            seen["error"] = exc
+
+    async def atake() -> None:
+        assert await waiter.aacquire(timeout=20)
+        await asyncio.sleep(hold_past_the_handed_lease(waiter.validity))
+        seen["lost"] = waiter.lost
+        try:
+            await waiter.arelease()
+        except LockLostError as exc:
+            seen["error"] = exc
+
+    if owner == "thread":
+        thread = threading.Thread(target=take)
+    else:
+        thread = threading.Thread(target=asyncio.run, args=(atake(),))
+    try:
+        thread.start()
+        _wait_until_queued(nodes, resource, 1)
+        holder.release()
+        thread.join(15)
+    finally:
+        nodes.resume_all()
+    assert not thread.is_alive()
+    acquired = [kw for name, kw in events if name == "lock_acquired"]
+    assert acquired[-1]["handed"] is True, acquired
+    assert 1.0 < seen["validity"] <= 2.0, seen
+    assert seen["lost"] is False, seen
+    assert "error" not in seen, seen
+    extensions = [kw for name, kw in events if name == "lock_extended"]
+    assert len(extensions) == 1 and extensions[0]["validity"] > 9.0, extensions
+    assert not any(name == "lock_lost" for name, _ in events), events
+
+
+def test_a_handed_over_hold_its_owner_extended_keeps_the_longer_lease(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    hold: Callable[..., Redlock],
+    events: list[tuple[str, dict[str, Any]]],
+) -> None:
+    """The owner of a handed-over hold extends it to 30 s at once: the library's
+    own extension to the 10 s TTL, due halfway through the handed lease, is no
+    longer needed and does not run, so the keys keep the 30 s lease (it used to
+    cut them back to 10 s)."""
+    settings.REDLOCK = {**redlock_settings, "QUEUE_LIFE": 0.6, "TTL": 10.0}
+    resource = "fair:confirm-manual"
+    key = lock_key(resource, "redlock")
+    holder = hold(resource, fair=True)
+    waiter = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+    seen: dict[str, Any] = {}
+
+    def take() -> None:
+        assert waiter.acquire(timeout=20)
+        seen["extended"] = waiter.extend(30.0)
+        time.sleep(0.6)  # past half the handed lease (at most 0.6 s)
+        seen["pttl"] = [node.client().pttl(key) for node in nodes]
+        waiter.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    _wait_until_queued(nodes, resource, 1)
+    holder.release()
+    thread.join(10)
+    acquired = [kw for name, kw in events if name == "lock_acquired"]
+    assert acquired[-1]["handed"] is True, acquired
+    assert seen["extended"] is True, seen
+    assert all(pttl > 25_000 for pttl in seen["pttl"]), seen
+    extensions = [kw for name, kw in events if name == "lock_extended"]
+    assert len(extensions) == 1 and extensions[0]["validity"] > 29.0, extensions
 
 
 def test_fencing_tokens_grow_through_hand_offs(

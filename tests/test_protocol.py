@@ -22,6 +22,7 @@ from redlock_django.protocol import (
     Sleep,
     acquire_flow,
     behind_for,
+    confirm_retry_delay,
     drift,
     extend_flow,
     has_quorum,
@@ -439,6 +440,24 @@ def test_a_fair_waiter_behind_others_waits_for_the_first_entry() -> None:
 
 def lease(valid_until: float) -> Lease:
     return Lease("tok", acquired=1000.0, valid_until=valid_until)
+
+
+def test_a_failed_confirmation_is_tried_again_within_what_is_left_of_its_lease() -> (
+    None
+):
+    """After a handed-over lease's extension failed: a retry delay (0.1 s plus
+    up to 0.2 s of jitter here) while plenty is left, half of what is left when
+    that is sooner, never once the lease is over or lost."""
+    s = spec()
+    assert confirm_retry_delay(s, lease(1002.0), 1000.0, lambda: 0.5) == 0.2
+    assert confirm_retry_delay(s, lease(1000.1), 1000.0, lambda: 0.5) == pytest.approx(
+        0.05
+    )
+    assert confirm_retry_delay(s, lease(1000.0), 1000.0, lambda: 0.5) is None
+    assert confirm_retry_delay(s, lease(999.0), 1000.0, lambda: 0.5) is None
+    gone = lease(1002.0)
+    gone.lost = "marked lost"
+    assert confirm_retry_delay(s, gone, 1000.0, lambda: 0.5) is None
 
 
 def test_extend_after_the_lease_ran_out_raises_lost_without_network() -> None:
