@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -538,6 +538,16 @@ def events() -> Iterator[list[tuple[str, dict[str, Any]]]]:
         getattr(signals, name).disconnect(receiver)
 
 
+def _owner_thread(
+    owner: str, take: Callable[[], None], atake: Callable[[], Coroutine[Any, Any, None]]
+) -> threading.Thread:
+    """A thread that runs ``take``, or for a ``task`` owner ``atake`` on an event
+    loop of its own."""
+    if owner == "thread":
+        return threading.Thread(target=take)
+    return threading.Thread(target=asyncio.run, args=(atake(),))
+
+
 @pytest.mark.parametrize("owner", ["thread", "task"])
 def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
     owner: str,
@@ -585,10 +595,7 @@ def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
             await waiter.arelease()
 
         events.clear()
-        if owner == "thread":
-            thread = threading.Thread(target=take)
-        else:
-            thread = threading.Thread(target=asyncio.run, args=(atake(),))
+        thread = _owner_thread(owner, take, atake)
         thread.start()
         _wait_until_queued(nodes, "fair:confirm", 1)
         holder.release()
@@ -665,10 +672,7 @@ def test_a_handed_over_hold_whose_extension_fails_tries_again_and_keeps_its_lock
         except LockLostError as exc:
             seen["error"] = exc
 
-    if owner == "thread":
-        thread = threading.Thread(target=take)
-    else:
-        thread = threading.Thread(target=asyncio.run, args=(atake(),))
+    thread = _owner_thread(owner, take, atake)
     try:
         thread.start()
         _wait_until_queued(nodes, resource, 1)
