@@ -1118,6 +1118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(default 3), and pool the rounds",
     )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.quick:
         reps, seconds, warmup, contended_seconds = 3, 0.25, 30, 1.5
     else:
