@@ -133,7 +133,14 @@ def test_attempt_whose_replies_were_lost_clears_those_nodes_and_frees_the_lock(
     """Three nodes run the acquire but their replies are lost: the attempt fails
     with the quorum error, its clean-up still deletes the key on those three, and
     the next client gets the lock at once instead of waiting out the 10 s lease."""
-    settings.REDLOCK = {**redlock_settings, "NODES": [p.url for p in proxies]}
+    # NODE_TIMEOUT 0.5: a client paused past half its timeout (LATE_SLACK) cannot
+    # tell silent nodes from its own lateness and calls the attempt late, not the
+    # nodes down; 0.1 s left a loaded CI host a 50 ms margin, and it missed it.
+    settings.REDLOCK = {
+        **redlock_settings,
+        "NODES": [p.url for p in proxies],
+        "NODE_TIMEOUT": 0.5,
+    }
     for node in nodes:
         with node.client() as client:
             client.config_resetstat()
