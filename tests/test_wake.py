@@ -438,3 +438,52 @@ def test_a_wake_up_that_arrives_a_byte_at_a_time_still_wakes_the_waiter(
         assert results == [True]
         got = acquisitions[-1]
         assert got["wakeups"] == got["attempts"] - 1, "a wait ran out: nothing woke it"
+
+
+@pytest.mark.parametrize("mode", ["threads", "threads and tasks"])
+def test_waiters_of_one_process_sharing_its_connections_are_each_woken(
+    redlock_settings: dict[str, Any],
+    acquisitions: list[dict[str, Any]],
+    mode: str,
+) -> None:
+    """Several waiters of one process, threads and asyncio tasks on their own
+    loops, share its subscriber connections: each release wakes its own waiter,
+    none sleeps out its 30 s retry."""
+    names = [f"wake:many:{i}" for i in range(4)]
+    holders = [Redlock(name) for name in names]
+    for holder in holders:
+        assert holder.acquire(blocking=False)
+    results: list[bool] = []
+
+    def take(name: str) -> None:
+        lock = Redlock(name, retry_delay=SLOW_RETRY, retry_jitter=0)
+        results.append(lock.acquire(timeout=20))
+        lock.release()
+
+    async def atake(name: str) -> None:
+        lock = Redlock(name, retry_delay=SLOW_RETRY, retry_jitter=0)
+        results.append(await lock.aacquire(timeout=20))
+        await lock.arelease()
+
+    threads = []
+    for i, name in enumerate(names):
+        if mode == "threads" or i % 2 == 0:
+            threads.append(threading.Thread(target=take, args=(name,)))
+        else:
+            threads.append(threading.Thread(target=asyncio.run, args=(atake(name),)))
+    for thread in threads:
+        thread.start()
+    hub = _hub()
+    for holder in holders:
+        channel = holder._resolve().spec.key.encode()
+        _wait_for(lambda channel=channel: hub.waiting(channel) == 1, "each waits")
+        _wait_for(lambda channel=channel: hub.listening(0, channel), "node 0 confirms")
+    time.sleep(0.05)
+    for holder in holders:
+        holder.release()
+        time.sleep(0.01)
+    for thread in threads:
+        thread.join(25)
+    assert results == [True] * len(names)
+    for got in acquisitions[-len(names) :]:
+        assert got["wakeups"] == got["attempts"] - 1 >= 1, got
