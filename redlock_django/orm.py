@@ -299,12 +299,21 @@ def _fence_field(model: type[Any], field: str | None) -> str:
                 f"{opts.label} has several FencingTokenFields ({names}); pass "
                 f"field= to say which one this lock fences"
             )
-        return str(found[0].attname)
-    target = opts.get_field(field)
-    if not isinstance(target, models.IntegerField) or not target.concrete:
+        target = found[0]
+    else:
+        target = opts.get_field(field)
+        if not isinstance(target, models.IntegerField) or not target.concrete:
+            raise FieldError(
+                f"{opts.label}.{field} cannot hold fencing tokens: use a "
+                f"FencingTokenField (or another integer field)"
+            )
+    if target.null:
+        # As check E101 says of FencingTokenField(null=True): a row holding NULL
+        # could never be written, and would be reported as missing.
         raise FieldError(
-            f"{opts.label}.{field} cannot hold fencing tokens: use a "
-            f"FencingTokenField (or another integer field)"
+            f"{opts.label}.{target.name} cannot hold fencing tokens: it is "
+            f"null=True, and a NULL token is never older than the lock's; make it "
+            f"non-null with a default of 0 (a FencingTokenField is)"
         )
     return str(target.attname)
 

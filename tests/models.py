@@ -61,3 +61,10 @@ class TwoFenceItem(models.Model):
     stock = models.IntegerField(default=0)
     price_fence = FencingTokenField()
     stock_fence = FencingTokenField()
+
+
+class VersionedItem(models.Model):
+    """A row with a nullable integer column, named as a token field by ``field=``."""
+
+    stock = models.IntegerField(default=0)
+    version = models.BigIntegerField(null=True)

@@ -50,6 +50,7 @@ from tests.models import (
     SpecialItem,
     TwoFenceItem,
     UUIDItem,
+    VersionedItem,
 )
 
 #: The lease of a holder that gets "paused" past it.
@@ -331,6 +332,21 @@ def test_fenced_update_finds_the_token_field_or_is_told_which() -> None:
         with pytest.raises(FieldError, match="written by fenced_update itself"):
             fenced_update(item, lock, stock=1, fence=10**9)
     assert FencedItem.objects.get(pk=item.pk).fence == 0
+
+
+@pytest.mark.django_db
+def test_a_nullable_field_named_as_the_token_field_is_a_field_error() -> None:
+    """A NULL token is never older than the lock's, so ``field=`` naming a
+    nullable integer column is refused as the field it is (as the system check
+    refuses ``FencingTokenField(null=True)``), not reported as a missing row or
+    as 0 rows written, and nothing is written."""
+    row = VersionedItem.objects.create(stock=3)
+    with Redlock("versioned", fencing=True) as lock:
+        for target in (row, VersionedItem.objects.all()):
+            with pytest.raises(FieldError, match=r"version cannot hold .*null=True"):
+                fenced_update(target, lock, field="version", stock=2)
+    stored = VersionedItem.objects.get(pk=row.pk)
+    assert (stored.stock, stored.version) == (3, None)
 
 
 @pytest.mark.django_db
