@@ -71,9 +71,10 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, overload
 
+from asgiref.sync import sync_to_async
 from django.core import checks
 from django.core.exceptions import FieldError, ValidationError
-from django.db import models, router
+from django.db import models, router, transaction
 from django.db.models.expressions import Combinable
 
 from .checks import fencing_token_default, fencing_token_null
@@ -307,6 +308,11 @@ def _fence_field(model: type[Any], field: str | None) -> str:
                 f"{opts.label}.{field} cannot hold fencing tokens: use a "
                 f"FencingTokenField (or another integer field)"
             )
+    if target.primary_key:
+        raise FieldError(
+            f"{opts.label}.{target.name} cannot hold fencing tokens: it is the "
+            f"primary key, which a fenced write would overwrite with the token"
+        )
     if target.null:
         # As check E101 says of FencingTokenField(null=True): a row holding NULL
         # could never be written, and would be reported as missing.
@@ -348,9 +354,11 @@ def _row_queryset(instance: models.Model) -> models.QuerySet[Any]:
     if instance.pk is None:
         raise ValueError(f"cannot update an unsaved {instance._meta.label} (no pk)")
     model = type(instance)
-    db = instance._state.db or router.db_for_write(model, instance=instance)
-    # The base manager, as Model.save() uses: a default manager's filter must
-    # not hide the row.
+    # Where Model.save() writes: the router's choice for writes (an instance read
+    # from a replica is written to the primary), else the instance's database;
+    # and the base manager, as save() uses: a default manager's filter must not
+    # hide the row.
+    db = router.db_for_write(model, instance=instance)
     return model._base_manager.using(db).filter(pk=instance.pk)
 
 
@@ -365,6 +373,41 @@ def _after_write(instance: models.Model, changes: dict[str, Any]) -> None:
                 field.delete_cached_value(instance)  # type: ignore[union-attr]
         else:
             setattr(instance, key, value)
+
+
+def _update(rows: models.QuerySet[Any], attname: str, changes: dict[str, Any]) -> int:
+    """``rows.update(**changes)``, with the token compare in ``rows`` checked by the
+    write itself, after any wait for a row another transaction is writing.
+
+    A multi-table child's token field may live on a parent's table, and Django
+    updates a parent's fields by primary key after selecting the keys: a compare
+    checked by that SELECT alone would let an older holder's write, queued behind
+    a newer holder's uncommitted one, land once it commits. So the rows are locked
+    first (``SELECT ... FOR UPDATE`` re-checks the compare after a wait), then
+    written by key, in one transaction.
+    """
+    model = rows.model
+    owner = model._meta.get_field(attname).model._meta.concrete_model
+    if owner is model._meta.concrete_model:
+        return rows.update(**changes)
+    if rows.query.is_sliced:
+        raise TypeError("Cannot update a query once a slice has been taken.")
+    key = owner._meta.pk.name  # the parent's key, as the child's queryset names it
+    on_owner = {
+        name: value
+        for name, value in changes.items()
+        if model._meta.get_field(name).model._meta.concrete_model is owner
+    }
+    others = {name: value for name, value in changes.items() if name not in on_owner}
+    with transaction.atomic(using=rows.db):
+        keys = list(rows.select_for_update().values_list(key, flat=True))
+        if keys:
+            owner._base_manager.using(rows.db).filter(pk__in=keys).update(**on_owner)
+            if others:
+                model._base_manager.using(rows.db).filter(
+                    **{f"{key}__in": keys}
+                ).update(**others)
+    return len(keys)
 
 
 class _InstanceWrite(NamedTuple):
@@ -466,11 +509,11 @@ def fenced_update(
         if raise_on_stale:
             raise TypeError(_NO_RAISE_FOR_QUERYSETS)
         token, attname, changes = _prepare(target.model, lock, field, updates)
-        return target.filter(**{f"{attname}__lt": token}).update(**changes)
+        return _update(target.filter(**{f"{attname}__lt": token}), attname, changes)
     if not isinstance(target, models.Model):
         raise TypeError(f"expected a model instance or a queryset, not {target!r}")
     write = _instance_write(target, lock, field, updates)
-    if write.target.update(**write.changes):
+    if _update(write.target, write.attname, write.changes):
         _after_write(target, write.changes)
         return True
     stored = write.rows.values_list(write.attname, flat=True).first()
@@ -510,12 +553,13 @@ async def afenced_update(
         if raise_on_stale:
             raise TypeError(_NO_RAISE_FOR_QUERYSETS)
         token, attname, changes = _prepare(target.model, lock, field, updates)
-        return await target.filter(**{f"{attname}__lt": token}).aupdate(**changes)
+        rows = target.filter(**{f"{attname}__lt": token})
+        return await sync_to_async(_update)(rows, attname, changes)
     if not isinstance(target, models.Model):
         raise TypeError(f"expected a model instance or a queryset, not {target!r}")
     # The token is the current task's: read it here, not in a worker thread.
     write = _instance_write(target, lock, field, updates)
-    if await write.target.aupdate(**write.changes):
+    if await sync_to_async(_update)(write.target, write.attname, write.changes):
         _after_write(target, write.changes)
         return True
     stored = await write.rows.values_list(write.attname, flat=True).afirst()

@@ -29,6 +29,7 @@ from django.core.exceptions import FieldError
 from django.db import connection, connections, models, transaction
 from django.db.migrations.writer import MigrationWriter
 from django.db.models import F
+from django.test import override_settings
 from django.test.utils import isolate_apps
 
 from redlock_django import LockError, LockLostError, Redlock
@@ -849,3 +850,155 @@ def test_fencing_token_field_checks_flag_null_and_positive_defaults() -> None:
         "ahead": [E102],
         "boolean": [E102],
     }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stale_write_through_a_multi_table_child_waiting_on_a_newer_one_is_refused(
+    other: Owner,
+) -> None:
+    """The race of ``test_stale_write_waiting_on_the_newer_holders_transaction_...``
+    through a multi-table child, whose token field lives on the parent's table
+    (Django updates a parent's fields by key after selecting the keys).
+
+    A (older token, lease ran out) read the SpecialItem with fence 0. B (newer
+    token) has written the row's fence in an open transaction. A's fenced write
+    must be refused once B commits, and the row must keep B's token: tokens
+    never go backwards."""
+    if connection.vendor != "postgresql":
+        pytest.skip("needs row locks between connections: set DATABASE_URL")
+    item = SpecialItem.objects.create(name="widget", stock=10, note="n")
+    lock_a = model_lock(item, fencing=True, ttl=PAUSE_TTL)
+    assert lock_a.acquire()
+    time.sleep(PAUSE)
+    b_wrote, a_blocked = threading.Event(), threading.Event()
+
+    def holder_b() -> int:
+        with model_lock(FencedItem, item.pk, fencing=True) as lock_b:
+            with transaction.atomic():
+                assert fenced_update(FencedItem(pk=item.pk), lock_b, stock=7)
+                b_wrote.set()
+                assert a_blocked.wait(5)
+            token = lock_b.fencing_token
+            assert token is not None
+            return token
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (a_pid,) = cursor.fetchone()
+    b = Owner()
+    try:
+        b_token = b.submit(holder_b)
+        assert b_wrote.wait(5)
+        watching = other.submit(_signal_when_blocked, a_pid, a_blocked)
+        written = fenced_update(item, lock_a, stock=9)
+        watching.result(timeout=5)
+        token_b = b_token.result(timeout=5)
+    finally:
+        b.close()
+    with pytest.raises(LockLostError):
+        lock_a.release()
+    stock, fence = FencedItem.objects.values_list("stock", "fence").get(pk=item.pk)
+    assert (written, stock, fence) == (False, 7, token_b)
+
+
+@pytest.fixture
+def read_replica(transactional_db: None) -> Iterator[str]:
+    """A second alias on the same PostgreSQL database, read-only like a replica,
+    with the usual primary/replica router (reads there, writes to default)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("needs PostgreSQL: set DATABASE_URL")
+    alias = "review_replica"
+    default = connections.settings["default"]
+    connections.settings[alias] = {
+        **default,
+        "OPTIONS": {
+            **default.get("OPTIONS", {}),
+            "options": "-c default_transaction_read_only=on",
+        },
+    }
+    connections[alias]  # the wrapper, made from those settings...
+    # ...then unlisted: Django's test case allows connections it did not list
+    # ("dynamically created"), and the ORM finds this one by its alias.
+    del connections.settings[alias]
+
+    class PrimaryReplicaRouter:
+        def db_for_read(self, model: Any, **hints: Any) -> str:
+            return alias
+
+        def db_for_write(self, model: Any, **hints: Any) -> str:
+            return "default"
+
+        def allow_relation(self, *args: Any, **hints: Any) -> bool:
+            return True
+
+    try:
+        with override_settings(DATABASE_ROUTERS=[PrimaryReplicaRouter()]):
+            yield alias
+    finally:
+        connections[alias].close()
+        del connections[alias]
+
+
+def test_an_instance_read_from_a_replica_is_written_to_the_primary(
+    read_replica: str,
+) -> None:
+    """With a primary/replica router, an instance read from the replica is written
+    where ``Model.save()`` writes it: the router's database for writes."""
+    FencedItem.objects.create(name="widget", stock=10)
+    FencedItem.objects.get(name="widget").save()  # control: save() goes to default
+    item = FencedItem.objects.get(name="widget")
+    assert item._state.db == read_replica
+    with model_lock(item, fencing=True) as lock:
+        assert fenced_update(item, lock, stock=9)  # raises: the replica is read-only
+    assert FencedItem.objects.using("default").get(pk=item.pk).stock == 9
+
+
+@pytest.mark.django_db
+def test_field_naming_the_primary_key_is_a_field_error_and_writes_nothing() -> None:
+    """The primary key is an integer field, but a fenced write would overwrite it
+    with the token (once the token passed the key): ``field=`` naming it is refused."""
+    item = FencedItem.objects.create(name="widget", stock=10)
+    original_pk = item.pk
+    with Redlock("pk-as-token", fencing=True) as lock:
+        token = lock.fencing_token
+        assert token is not None
+    while token <= original_pk:  # a token above the pk: the UPDATE then matches
+        with Redlock("pk-as-token", fencing=True) as lock:
+            token = lock.fencing_token
+            assert token is not None
+    with Redlock("pk-as-token", fencing=True) as lock:
+        token = lock.fencing_token
+        try:
+            outcome: object = fenced_update(item, lock, field="id", stock=1)
+        except FieldError as exc:
+            outcome = exc
+    rows = list(FencedItem.objects.values_list("pk", "stock"))
+    assert isinstance(outcome, FieldError), (
+        f"fenced_update returned {outcome!r}; row was (pk {original_pk}, stock 10), "
+        f"now (pk, stock) = {rows}; the lock's token was {token}"
+    )
+    assert rows == [(original_pk, 10)]
+
+
+@pytest.mark.django_db
+def test_a_multi_table_child_writes_its_own_and_its_parents_fields_with_the_token() -> (
+    None
+):
+    """A child's fenced write sets the parent's fields, the token (on the parent's
+    table) and the child's own fields; as a queryset too; a stale one writes none."""
+    item = SpecialItem.objects.create(name="w", stock=10, note="")
+    with model_lock(item, fencing=True) as lock:
+        assert fenced_update(item, lock, stock=9, note="first")
+        token = lock.fencing_token
+    row = SpecialItem.objects.get(pk=item.pk)
+    assert (row.stock, row.note, row.fence) == (9, "first", token)
+    with model_lock(item, fencing=True) as lock:
+        rows = SpecialItem.objects.filter(pk=item.pk)
+        assert fenced_update(rows, lock, stock=F("stock") - 1, note="second") == 1
+        newer = lock.fencing_token
+    stale = SpecialItem.objects.get(pk=item.pk)
+    stale.fence = token  # as read before the second write
+    with model_lock(item, fencing=True) as lock:
+        assert not fenced_update(stale, lock, stock=0, note="stale")
+    row = SpecialItem.objects.get(pk=item.pk)
+    assert (row.stock, row.note, row.fence) == (8, "second", newer)
