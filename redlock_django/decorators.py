@@ -49,7 +49,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
-from asgiref.sync import async_to_sync, iscoroutinefunction
+from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
@@ -195,6 +195,17 @@ class Guard:
         self.on_locked = on_locked
         self.on_unavailable = on_unavailable
         self.label = label
+        # Request attributes (request.user, the session: loaded lazily), attribute
+        # paths and callables may query the database, which Django refuses inside
+        # an event loop: an async view computes those in a thread.
+        self.start_sync_only = (
+            self.resolve is not None
+            or callable(label)
+            or any(
+                p.kwarg is None or p.attributes
+                for p in cast(Template, self.template).placeholders
+            )
+        )
 
     # Request-time steps shared by both drivers.
 
@@ -324,7 +335,12 @@ class Guard:
         exc: Exception,
         default: Callable[[HttpRequest, Any], HttpResponseBase],
     ) -> HttpResponseBase:
-        response = hook(request, exc) if hook is not None else None
+        if hook is None:
+            response = None
+        elif iscoroutinefunction(hook):
+            response = await hook(request, exc)
+        else:  # a sync hook may use the ORM: not in the event loop
+            response = await sync_to_async(hook)(request, exc)
         if inspect.isawaitable(response):
             response = await response
         return response if response is not None else default(request, exc)
@@ -340,7 +356,10 @@ class Guard:
     ) -> Any:
         """Run ``view`` (a coroutine function, or returning an awaitable) locked."""
         on_locked, on_unavailable = hooks or (self.on_locked, self.on_unavailable)
-        lock = self._start(request, args, kwargs, view_name)
+        if self.start_sync_only:
+            lock = await sync_to_async(self._start)(request, args, kwargs, view_name)
+        else:
+            lock = self._start(request, args, kwargs, view_name)
         if not isinstance(lock, Redlock):
             return lock
         try:

@@ -688,6 +688,43 @@ def test_request_attribute_placeholder(
     assert response.json()["resource"] == f"user:{user.pk}"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_an_async_views_request_attribute_placeholder_reads_the_user_in_a_thread(
+    client: Client, redlock_settings: dict[str, Any], django_user_model: Any
+) -> None:
+    """The README's ``{request.user.pk}`` on an ``async def`` view: request.user
+    loads the session and the user from the database, which Django refuses in
+    the event loop (it was a 500, SynchronousOnlyOperation, for any logged-in
+    user); the resource is now computed in a thread. A sync hook that reads the
+    database runs in a thread too."""
+    user = django_user_model.objects.create_user("ada")
+    client.force_login(user)
+    response = client.get("/views/auser/")
+    assert response.status_code == 200, response.content[:300]
+    assert response.json()["resource"] == f"user:{user.pk}"
+    with Redlock("item:busy-orm"):
+        busy = client.get("/views/ahooked-orm/busy-orm/")
+    assert (busy.status_code, busy.content) == (
+        409,
+        f"busy for user {user.pk}".encode(),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_async_views_request_user_placeholder_under_asgi(
+    async_client: Any, redlock_settings: dict[str, Any], django_user_model: Any
+) -> None:
+    """The same view under ASGI (AsyncClient), for a logged-in user."""
+    try:
+        user = await sync_to_async(django_user_model.objects.create_user)("ada")
+        await async_client.aforce_login(user)
+        response = await async_client.get("/views/auser/")
+        assert response.status_code == 200, response.content[:300]
+        assert response.json()["resource"] == f"user:{user.pk}"
+    finally:
+        await sync_to_async(connections.close_all)()
+
+
 def test_callable_resource_result_is_checked(
     client: Client, redlock_settings: dict[str, Any], nodes: Any
 ) -> None:

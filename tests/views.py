@@ -86,6 +86,11 @@ def per_user(request: HttpRequest) -> HttpResponse:
     return _ran(request, "per_user")
 
 
+@distributed_lock("user:{request.user.pk}", timeout=WAIT)
+async def aper_user(request: HttpRequest) -> HttpResponse:
+    return _ran(request, "aper_user")
+
+
 def _order(request: HttpRequest, *args: Any, **kwargs: Any) -> str:
     return f"order:{kwargs['order']}"
 
@@ -151,6 +156,16 @@ def hooked(request: HttpRequest, item: str) -> HttpResponse:
 @distributed_lock("item:{item}", timeout=WAIT, on_locked=_abusy, on_unavailable=_adown)
 async def ahooked(request: HttpRequest, item: str) -> HttpResponse:
     return _ran(request, "ahooked")
+
+
+def _busy_with_orm(request: HttpRequest, exc: LockContentionError) -> HttpResponse:
+    """A sync hook that reads the database (here: the session's user)."""
+    return HttpResponse(f"busy for user {request.user.pk}", status=409)
+
+
+@distributed_lock("item:{item}", timeout=WAIT, on_locked=_busy_with_orm)
+async def ahooked_orm(request: HttpRequest, item: str) -> HttpResponse:
+    return _ran(request, "ahooked_orm")
 
 
 @distributed_lock("item:{item}", timeout=WAIT, on_locked=_abusy, on_unavailable=_adown)
@@ -316,6 +331,7 @@ urlpatterns = [
     path("nonblocking/<str:item>/", nonblocking),
     path("fenced/<str:item>/", fenced),
     path("user/", per_user),
+    path("auser/", aper_user),
     path("order/<str:order>/", by_callable),
     path("outlives/<str:item>/", outlives),
     path("raises/<str:item>/", raises),
@@ -323,6 +339,7 @@ urlpatterns = [
     path("outlives-and-raises/<str:item>/", outlives_and_raises),
     path("hooked/<str:item>/", hooked),
     path("ahooked/<str:item>/", ahooked),
+    path("ahooked-orm/<str:item>/", ahooked_orm),
     path("sync-async-hooked/<str:item>/", sync_async_hooked),
     path("hook-declines/<str:item>/", hook_declines),
     path("cbv/method/<str:item>/", MethodDecorated.as_view()),
