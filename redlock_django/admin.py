@@ -227,10 +227,16 @@ class HeldLockAdmin(_ModelAdmin):
             self.message_user(request, f"Nothing released: {exc}", messages.ERROR)
             return HttpResponseRedirect(back)
         if outcome.changed:
+            silent = (
+                f"; {len(outcome.failed)} did not answer: {_failures(outcome.failed)}"
+                if outcome.failed
+                else ""
+            )
             self.message_user(
                 request,
                 f"“{resource}” changed hands since the page was loaded "
-                f"(no node holds the token {digest} any more): nothing was released.",
+                f"(no node that answered holds the token {digest} any more"
+                f"{silent}): nothing was released.",
                 messages.WARNING,
             )
         elif not outcome.released:

@@ -50,8 +50,8 @@ from . import meta
 from . import nodes as node_pools
 from .address import NodeSpec
 from .conf import RedlockSettings, get_settings
-from .keys import check_resource, lock_head, lock_key, lock_pattern
-from .protocol import has_quorum, quorum
+from .keys import MAX_NAME_LENGTH, check_resource, lock_head, lock_key, lock_pattern
+from .protocol import has_quorum, quorum, unanswered_may_hold
 from .scripts import FORCE_RELEASE_SCRIPT
 
 __all__ = [
@@ -168,9 +168,10 @@ class ForceRelease:
     """Outcome of ``force_release()`` on every node.
 
     ``released``: indices of the nodes where the key with that token was deleted;
-    ``failed``: node address -> why the node could not be asked; ``changed``: no
-    node failed and none held that token any more, so nothing was released (the
-    lock expired, was released, or changed hands since it was shown).
+    ``failed``: node address -> why the node could not be asked; ``changed``:
+    nothing was released, and the nodes that answered are enough to say why (the
+    others could not be a quorum): none held that token any more (the lock
+    expired, was released, or changed hands since it was shown).
     """
 
     released: tuple[int, ...]
@@ -510,7 +511,7 @@ def force_release(resource: str, token_digest: str) -> ForceRelease:
     12 to 40 hex digits; node errors are reported in ``failed``, never raised.
     The caller logs who asked for it.
     """
-    check_resource(resource)
+    check_resource(resource, MAX_NAME_LENGTH)
     digest = token_digest.lower() if isinstance(token_digest, str) else ""
     if not _DIGEST.fullmatch(digest):
         raise ValueError(
@@ -531,8 +532,11 @@ def force_release(resource: str, token_digest: str) -> ForceRelease:
             failed[node.display] = _reason(outcome)
         elif outcome:
             released.append(node.index)
+    # Nothing released, and the nodes that did not answer could not hold a
+    # quorum on their own: the lock with that token is gone or changed hands.
+    unsure = unanswered_may_hold(len(failed), len(conf.nodes))
     return ForceRelease(
         released=tuple(released),
         failed=failed,
-        changed=not released and not failed,
+        changed=not released and not unsure,
     )

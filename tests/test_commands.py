@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command, execute_from_command_line
 
-from harness.held import lock_key
+from harness.held import held_on, lock_key
 from harness.nodes import NodeSet
 from redlock_django import LockError, Redlock
 from redlock_django.management.commands.redlock import JSON_KEYS, Command
@@ -308,13 +308,86 @@ def test_release_exit_code_depends_on_how_many_nodes_answered(
     assert error.returncode == 3 and "cannot tell whether 'unknown'" in str(error)
 
 
-@pytest.mark.parametrize("resource", ["bad\nname", "x" * 201])
+@pytest.mark.parametrize("resource", ["bad\nname", "x" * 1001])
 def test_release_rejects_an_invalid_resource_name(
     redlock_settings: dict[str, Any], resource: str
 ) -> None:
     """A name no lock can have is refused before any node is asked (exit 1)."""
     error, _, _ = run_failing("release", resource, "--yes")
     assert error.returncode == 1
+
+
+def test_release_takes_any_name_a_lock_can_have(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """Redlock and ``redlock run`` take names up to 1000 characters: so does
+    release (it refused anything over 200 with exit 1)."""
+    name = "report:" + "x" * 300
+    hold(name)
+    run("release", name, "--yes")
+    assert held_on(nodes, name) == 0
+
+
+def test_release_after_double_dash_takes_a_resource_starting_with_a_dash(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """``--`` ends release's options, so "-x:job" can be named (it was taken for
+    run's command line: exit 2)."""
+    hold("-x:job")
+    execute_from_command_line(["manage.py", "redlock", "release", "--yes", "--",
+                               "-x:job"])  # fmt: skip
+    assert held_on(nodes, "-x:job") == 0
+
+
+def test_release_of_a_lock_that_changed_hands_while_a_node_is_down_exits_4(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """The four nodes that answer are enough to say nothing of that token is left:
+    exit 4, the new holder's lock untouched (it printed "released ... on 0/5
+    nodes" and exited 0)."""
+    first = hold("handover")
+    second = Redlock("handover")
+
+    def hand_over_and_lose_a_node() -> None:
+        first.release()
+        assert second.acquire(blocking=False)
+        nodes[0].stop()
+
+    stdin = Terminal("yes\n", on_read=hand_over_and_lose_a_node)
+    error, out, _ = run_failing("release", "handover", stdin=stdin)
+    assert error.returncode == 4 and "changed hands" in str(error)
+    assert "failed: " in out
+    assert held_on(nodes[1:], "handover") == 4
+    second.release()
+
+
+def test_list_says_it_cannot_tell_when_too_few_nodes_answered(
+    nodes: NodeSet, hold: Callable[..., Redlock]
+) -> None:
+    """With three of five nodes silent, the locks they hold cannot be listed: no
+    "no locks held" and no bare ``[]`` with exit 0, but exit 3 (as status and
+    release); the table and the JSON show what the others hold."""
+    hold("held-while-down")
+    for node in nodes[:3]:
+        node.stop()
+    for args in (("list",), ("list", "--json")):
+        error, out, _ = run_failing(*args)
+        assert error.returncode == 3, args
+        assert "cannot tell which locks are held: 3/5" in str(error)
+        assert "no locks held" not in out
+    assert json.loads(run_failing("list", "--json")[1])[0]["held_on"] == 2
+
+
+def test_list_escapes_control_characters_of_labels(
+    hold: Callable[..., Redlock],
+) -> None:
+    """Labels are free text (``redlock run`` makes one of any command line): a
+    newline must not forge a table row, nor an escape sequence reach the terminal."""
+    hold("nightly", label="sh -c 'a\nevil      5/5   0,1,2,3,4'\x1b[2J")
+    out, _ = run("list")
+    assert "\x1b" not in out
+    assert len(out.splitlines()) == 3, out  # the header, one row, the summary
+    assert "sh -c 'a\\nevil" in out and "\\x1b[2J" in out
 
 
 def test_passwords_never_appear_in_any_command_output(

@@ -334,7 +334,7 @@ def test_force_release_reports_an_unreachable_node_without_raising(
         ("ok", "a" * 41),
         ("", "a" * 12),
         ("bad\nname", "a" * 12),
-        ("x" * 201, "a" * 12),
+        ("x" * 1001, "a" * 12),
     ],
 )
 def test_force_release_rejects_invalid_resources_and_digests(

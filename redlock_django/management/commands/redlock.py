@@ -24,7 +24,7 @@ from django.core.management.base import (
 
 from redlock_django import listing, runner
 from redlock_django.conf import get_settings
-from redlock_django.keys import check_resource
+from redlock_django.keys import MAX_NAME_LENGTH, check_resource
 from redlock_django.protocol import has_quorum, quorum, unanswered_may_hold
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,10 @@ exit codes:
   1  error or refusal: bad settings or resource name, or a release not
      confirmed (no --yes while stdin is not a terminal, or an answer other than yes)
   2  bad command line
-  3  fewer than a quorum of nodes answered: status; or release, which then
-     cannot tell whether the lock is still held (it ends when its lease runs out);
-     or run, which then did not start the command
+  3  fewer than a quorum of nodes answered: status; list, which then cannot
+     show the locks held on the others; or release, which then cannot tell
+     whether the lock is still held (it ends when its lease runs out); or run,
+     which then did not start the command
   4  release found nothing to release: no lock on RESOURCE, or it changed
      hands or ended between being shown and being released
 """
@@ -157,8 +158,9 @@ class Command(BaseCommand):
 
     def run_from_argv(self, argv: list[str]) -> None:
         # argparse cannot tell a subcommand's options from the program's after
-        # "--", so the program's command line is split off first.
-        if "--" in argv:
+        # "--", so the program's command line is split off first; release keeps
+        # its "--", which ends its options (a resource named "-x:job").
+        if "--" in argv and not _names_verb(argv[: argv.index("--")], "release"):
             at = argv.index("--")
             argv, self._command_line = argv[:at], argv[at + 1 :]
         super().run_from_argv(argv)
@@ -223,17 +225,27 @@ class Command(BaseCommand):
                 f"warning: {address} did not answer ({reason}); "
                 "the listing shows the other nodes"
             )
+        count = len(get_settings().nodes)
+        # The silent nodes could hold a quorum of their own: "no locks" or a
+        # short list would be a claim nobody can make.
+        unsure = unanswered_may_hold(len(failed), count)
         if options["json"]:
             self.stdout.write(_dumps([_as_json(lock) for lock in held]))
-            return
-        if not held:
+        elif held:
+            self._locks(held)
+            below = sum(lock.below_quorum for lock in held)
+            self.stdout.write(
+                f"{len(held)} lock(s) held"
+                + (f", {below} below quorum" if below else "")
+            )
+        elif not unsure:
             self.stdout.write("no locks held")
-            return
-        self._locks(held)
-        below = sum(lock.below_quorum for lock in held)
-        self.stdout.write(
-            f"{len(held)} lock(s) held" + (f", {below} below quorum" if below else "")
-        )
+        if unsure:
+            raise CommandError(
+                f"cannot tell which locks are held: {len(failed)}/{count} nodes did "
+                f"not answer ({_reasons(failed)}); locks held on them are not listed",
+                returncode=EXIT_NO_QUORUM,
+            )
 
     def _locks(self, held: Sequence[listing.ListedLock]) -> None:
         rows = [
@@ -271,7 +283,7 @@ class Command(BaseCommand):
 
     def handle_release(self, *, resource: str, yes: bool, **options: Any) -> None:
         try:
-            check_resource(resource)
+            check_resource(resource, MAX_NAME_LENGTH)
         except ValueError as exc:
             raise CommandError(str(exc), returncode=EXIT_REFUSED) from None
         failed: dict[str, str] = {}
@@ -365,6 +377,7 @@ class Command(BaseCommand):
     # --- output ---------------------------------------------------------------------
 
     def _table(self, header: list[str], rows: list[list[str]]) -> None:
+        rows = [[_printable(cell) for cell in row] for row in rows]
         widths = [
             max(len(row[column]) for row in [header, *rows])
             for column in range(len(header))
@@ -374,6 +387,22 @@ class Command(BaseCommand):
                 cell.ljust(width) for cell, width in zip(row, widths, strict=True)
             )
             self.stdout.write(line.rstrip())
+
+
+def _printable(cell: str) -> str:
+    """``cell`` with control characters escaped (``\\n``, ``\\x1b``): labels and
+    holder names are free text, and a newline or an escape sequence must not
+    forge a row or drive the operator's terminal."""
+    if cell.isprintable():
+        return cell
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in cell)
+
+
+def _names_verb(argv: Sequence[str], verb: str) -> bool:
+    """Whether ``verb`` is the first verb named in ``argv`` (program and command
+    name first)."""
+    verbs = ("status", "list", "release", "run")
+    return next((arg for arg in argv[2:] if arg in verbs), None) == verb
 
 
 def _accept_base_options(parser: argparse.ArgumentParser) -> None:
