@@ -21,7 +21,7 @@ import ipaddress
 import re
 import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -251,6 +251,17 @@ def _parse_url(url: str) -> _Target:
         raise _URLError(reason[0].lower() + reason[1:].rstrip(".")) from None
     options.pop("connection_class", None)
     _check_options(parts.scheme, options)
+    # redis-py takes these from the query when the address lacks them, so the
+    # node would connect somewhere else than it is shown and compared as.
+    placed = sorted(
+        {"host", "port", "path", "unix_socket_path"} & set(parse_qs(parts.query))
+    )
+    if placed:
+        raise _URLError(
+            "the query sets "
+            + ", ".join(repr(name) for name in placed)
+            + ": write the address in the URL itself"
+        )
     db = options.get("db", 0)
     if parts.scheme == "unix":
         if not options.get("path"):
@@ -341,8 +352,25 @@ def _parse_alias(
             f"{named}, whose LOCATION {_mask(location)!r} is not a valid Redis URL: "
             f"{exc}"
         ) from None
+    if not _names_db(location):
+        # The cache's pool takes OPTIONS (Django's backend) or its
+        # CONNECTION_POOL_KWARGS (django-redis) as defaults the URL overrides.
+        options = _mapping(config.get("OPTIONS"))
+        pooled = {**options, **_mapping(options.get("CONNECTION_POOL_KWARGS"))}
+        db = pooled.get("db", 0)
+        if isinstance(db, bool) or not isinstance(db, int) or db < 0:
+            raise AliasError(
+                f"{named}, whose OPTIONS db {db!r} is not a database number"
+            )
+        target = replace(target, db=db)
     display = f"cache:{alias} ({target.display})"
     return NodeSpec(index, alias, alias, display, target.identity, cache=config)
+
+
+def _names_db(url: str) -> bool:
+    """Whether the URL says which database (its path or a ``db`` query option)."""
+    parts = urlsplit(_normalise_scheme(url))
+    return unquote(parts.path) not in ("", "/") or "db" in parse_qs(parts.query)
 
 
 def _is_redis_backend(backend: object) -> bool:

@@ -91,8 +91,10 @@ NODE_TIMEOUT_SHARE = 0.05
 # the prefix, so it is as unsafe there as the glob characters themselves.
 _GLOB_CHARACTERS = frozenset("*?[]\\")
 # The userinfo of a URL, and query parameters whose name says "pass".
-_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@\s]*@")
-_QUERY_PASSWORD = re.compile(r"(?i)([?&][^=&#\s]*pass[^=&#\s]*=)[^&#\s]*")
+# Up to the last "@" before the path, query or fragment, spaces included: redis-py
+# takes a password with an unencoded "@" or space whole, so it must be masked whole.
+_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+_QUERY_PASSWORD = re.compile(r"(?i)([?&][^=&#\s]*pass[^=&#\s]*=)[^&#]*")
 
 
 @dataclass(frozen=True)
@@ -519,7 +521,10 @@ def _number(value: object) -> float | None:
     """Return ``value`` as a finite float, or None if it is no finite real number."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past the float range
+        return None
     return number if math.isfinite(number) else None
 
 
@@ -549,9 +554,15 @@ def check_seconds(
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, not {value!r}")
     if wait:
-        if math.isnan(value):
+        if value < 0:
+            return None
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past the float range: no deadline
+            return math.inf
+        if math.isnan(seconds):
             raise ValueError(f"{name} must be a number of seconds, not {value!r}")
-        return None if value < 0 else float(value)
+        return seconds
     number = _number(value)
     low_ok = number is not None and (number >= 0 if allow_zero else number > 0)
     if number is None or not low_ok or (limit is not None and number > limit):

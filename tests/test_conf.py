@@ -641,3 +641,58 @@ def test_connection_params_returns_a_fresh_dict(settings: Any) -> None:
 
 def _django_redis(location: str, **extra: Any) -> dict[str, Any]:
     return {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": location, **extra}
+
+
+def test_a_cache_alias_takes_its_db_from_options_as_its_pool_does(
+    settings: Any,
+) -> None:
+    """Django's RedisCache (OPTIONS) and django-redis (CONNECTION_POOL_KWARGS) give
+    the pool a db the URL overrides: an alias on ``redis://h:6379`` with db 1 is
+    the database of ``redis://h:6379/1`` (E005 when both are listed; they were
+    compared as db 0), and two aliases on dbs 1 and 2 are two databases."""
+    location = "redis://127.0.0.1:6379"
+    settings.CACHES = {
+        **settings.CACHES,
+        "one": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                "LOCATION": location, "OPTIONS": {"db": 1}},
+        "two": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": location,
+                "OPTIONS": {"CONNECTION_POOL_KWARGS": {"db": 2}}},
+        "url-wins": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                     "LOCATION": f"{location}/3", "OPTIONS": {"db": 1}},
+        "bad-db": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                   "LOCATION": location, "OPTIONS": {"db": "one"}},
+    }  # fmt: skip
+    node = parse_node("one", 0, settings.CACHES)
+    assert connection_params(node)[1]["db"] == 1  # where its locks really go
+    assert node.display == "cache:one (redis://127.0.0.1:6379/1)"
+    assert parse_node("url-wins", 0, settings.CACHES).display.endswith(":6379/3)")
+    others = FIVE_NODES[:3]
+    duplicate = conf.validate({"NODES": ["one", f"{location}/1", *others]})
+    assert [p.id for p in duplicate] == ["redlock.E005"], duplicate
+    distinct = conf.validate({"NODES": ["one", "two", *others]})
+    assert all(p.id != "redlock.E005" for p in distinct), distinct
+    bad = conf.validate({"NODES": ["bad-db", *others]})
+    assert any("OPTIONS db 'one'" in p.msg for p in bad), bad
+
+
+@pytest.mark.parametrize("query", ["port=7000", "host=10.9.9.9"])
+def test_an_address_given_in_the_query_string_is_refused(query: str) -> None:
+    """redis-py connects to ``?port=7000`` when the URL has no port, though the node
+    was shown and compared (E005) as port 6379: the address belongs in the URL."""
+    problems = conf.validate({"NODES": [f"redis://h/0?{query}", *FIVE_NODES[:2]]})
+    assert [p.id for p in problems] == ["redlock.E003"], problems
+    assert f"the query sets {query.partition('=')[0]!r}" in problems[0].msg
+
+
+@pytest.mark.parametrize("key", ["TTL", "NODE_TIMEOUT", "MAX_HOLD", "WAIT_TIMEOUT"])
+def test_an_integer_too_large_for_a_float_is_a_check_error_not_a_crash(
+    key: str,
+) -> None:
+    """A duration past the float range is reported with its check id (it raised
+    OverflowError out of the checks); as an argument, a ValueError, or for a wait
+    no deadline."""
+    problems = conf.validate({"NODES": FIVE_NODES[:3], key: 10**400})
+    assert problems and all(p.level == conf.ERROR for p in problems), problems
+    with pytest.raises(ValueError, match="ttl must be a positive number"):
+        conf.check_seconds("ttl", 10**400)
+    assert conf.check_seconds("timeout", 10**400, wait=True) == math.inf

@@ -700,6 +700,35 @@ def test_error_report_of_a_failed_lock_masks_node_passwords(
     assert SECRET in report_of(RequestFactory().get("/fail/")).get_traceback_text()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:p@Tail-0f-the-pa55word@127.0.0.1:6379/0",  # an unencoded "@"
+        "redis://:pa Tail-0f-the-pa55word@127.0.0.1:6379/0",  # a space
+        "redis://127.0.0.1:6379/0?password=pa Tail-0f-the-pa55word",
+    ],
+    ids=["at-sign", "space", "query-space"],
+)
+def test_reporter_filter_masks_the_whole_of_a_password_the_nodes_accept(
+    url: str,
+) -> None:
+    """redis-py takes a password with an unencoded "@" or a space whole (and the
+    node is valid: no E003): the filter must mask all of it. It stopped at the
+    first "@" or space, and the rest reached the DEBUG page and the e-mails."""
+    from redlock_django import conf
+    from redlock_django.address import connection_params, parse_node
+
+    assert (
+        "Tail-0f-the-pa55word" in connection_params(parse_node(url, 0))[1]["password"]
+    )
+    assert conf.validate({"NODES": [url]}) == []
+    cleansed = conf.SafeSettingsReporterFilter().cleanse_setting(
+        "REDLOCK", {"NODES": [url]}
+    )
+    assert "Tail-0f-the-pa55word" not in cleansed["NODES"][0], cleansed
+    assert "127.0.0.1:6379" in cleansed["NODES"][0]
+
+
 def use_reporter_filter(settings: Any, path: str) -> None:
     """Set DEFAULT_EXCEPTION_REPORTER_FILTER; Django caches the filter it made."""
     from django.views.debug import get_default_exception_reporter_filter
