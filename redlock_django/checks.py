@@ -250,6 +250,8 @@ def check_nodes(
         return []
     messages: list[CheckMessage] = []
     seen: dict[tuple[str, object], address.NodeSpec] = {}
+    #: The first node seen of each server, whatever its database (W002).
+    servers: dict[str, address.NodeSpec] = {}
     pools = nodes.sync_pools(config.nodes, config.node_timeout)
     for spec, pool in zip(config.nodes, pools, strict=True):
         client = redis.Redis(connection_pool=pool)
@@ -292,6 +294,18 @@ def check_nodes(
         if run_id:
             key = (str(run_id), spec.identity[-1])
             first = seen.setdefault(key, spec)
+            other_db = servers.setdefault(str(run_id), spec)
+            if first is spec and other_db is not spec:
+                messages.append(
+                    Warning(
+                        f"NODES[{other_db.index}] and NODES[{spec.index}] are "
+                        f"different databases of one Redis server (run_id "
+                        f"{str(run_id)[:8]}...) reached by two addresses",
+                        hint=HINTS[W002],
+                        obj=_OBJ,
+                        id=W002,
+                    )
+                )
             if first is not spec:
                 messages.append(
                     Error(

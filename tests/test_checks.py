@@ -407,6 +407,25 @@ def test_one_server_behind_two_addresses_is_a_deploy_error(
     )
 
 
+def test_two_databases_of_one_server_behind_two_addresses_are_a_deploy_warning(
+    settings: Any, redlock_settings: dict[str, Any], nodes: Any, matrix: Any
+) -> None:
+    """db 0 and db 1 of node 0, reached as 127.0.0.1 and through a proxy: one
+    failure domain holding 2 of 3 votes. The static W002 cannot see through two
+    addresses; the deploy check sees one run_id with two databases (it said
+    nothing: E013 compared the run_id with the database)."""
+    with FaultProxy(nodes[0].port) as proxy:
+        settings.REDLOCK = {
+            **redlock_settings,
+            "NODES": [nodes[0].url, nodes[1].url, proxy.url.replace("/0", "/1")],
+        }
+        assert check_settings(None) == []
+        [message] = deploy_run(matrix(15), [checks.W002])
+    assert message.msg.startswith(
+        "NODES[0] and NODES[2] are different databases of one Redis server (run_id "
+    )
+
+
 @pytest.mark.parametrize(
     ("policy", "expected"),
     [

@@ -10,6 +10,8 @@ with the lock not held, or without the plugin, and watch them fail.
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -327,3 +329,104 @@ def test_bad_options_fail_with_a_clear_message(
     assert result.returncode != 0, _report(result)
     assert expected in result.stdout + result.stderr, _report(result)
     assert " passed" not in result.stdout, _report(result)
+
+
+def _bare(root: Path, tests: str, ini: str = "") -> Path:
+    """A project with no Django: one test file and a pytest.ini."""
+    root.mkdir(parents=True)
+    (root / "pytest.ini").write_text("[pytest]\n" + ini)
+    (root / "test_user.py").write_text(textwrap.dedent(tests))
+    return root
+
+
+NO_DJANGO = ("-p", PLUGIN, "-p", "no:django")
+
+
+@pytest.mark.parametrize("how", ["option", "ini"])
+def test_a_relative_server_path_is_the_projects_and_starts_the_nodes(
+    tmp_path: Path, how: str
+) -> None:
+    """``--redlock-server bin/redis-server`` (a binary built in the project), or the
+    same in the ini file: the nodes start (each runs in its own directory, where
+    the relative path named nothing: every test asking for nodes errored)."""
+    from redlock_django.testing import find_redis_server
+
+    tests = "def test_nodes(redlock_nodes):\n    assert len(redlock_nodes) == 3\n"
+    ini = "redlock_server = bin/redis-server\n" if how == "ini" else ""
+    project = _bare(tmp_path / "site", tests, ini)
+    (project / "bin").mkdir()
+    shutil.copy(find_redis_server("redis"), project / "bin" / "redis-server")
+    args = ["--redlock-server", "bin/redis-server"] if how == "option" else []
+    result = _pytest(project, *NO_DJANGO, *args)
+    assert result.returncode == 0, _report(result)
+    assert "1 passed" in result.stdout, _report(result)
+
+
+@pytest.mark.parametrize("how", ["option", "ini"])
+def test_a_bad_server_value_stops_pytest_before_any_test(
+    tmp_path: Path, how: str
+) -> None:
+    """A server that is neither redis, valkey nor a binary is a usage error before
+    any test runs (it was found only when a test first asked for nodes, after the
+    others had run)."""
+    tests = """
+    def test_plain():
+        assert True
+
+    def test_nodes(redlock_nodes):
+        assert redlock_nodes
+    """
+    ini = "redlock_server = no-such-server\n" if how == "ini" else ""
+    project = _bare(tmp_path / "site", tests, ini)
+    args = ["--redlock-server", "no-such-server"] if how == "option" else []
+    result = _pytest(project, *NO_DJANGO, *args)
+    assert "is neither 'redis', 'valkey'" in result.stdout + result.stderr
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, _report(result)
+    assert " passed" not in result.stdout, _report(result)
+
+
+def test_a_restarted_node_whose_port_was_taken_fails_instead_of_moving(
+    tmp_path: Path,
+) -> None:
+    """A node keeps its port for every restart: when something took it meanwhile
+    (another xdist worker's server), start() fails loudly; it came back on another
+    port, and settings built from the old URL pointed at the squatter."""
+    from redlock_django.testing import NodeSet, RedisNodeError
+
+    node_set = NodeSet.create(1, tmp_path)
+    [node] = node_set
+    try:
+        node_set.start_all()
+        port = node.port
+        node.stop()
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            with pytest.raises(RedisNodeError):
+                node.start()
+        assert node.port == port
+        node.start()  # the port is free again
+        assert node.port == port and node.client().ping()
+    finally:
+        node_set.stop_all()
+
+
+def test_a_password_a_test_set_on_the_nodes_is_gone_for_the_next_test(
+    tmp_path: Path,
+) -> None:
+    """``redlock_nodes`` gives each test its servers running and empty whatever an
+    earlier test did: a node behind ``require_password`` is restarted (the next
+    test's setup could not FLUSHALL, and every later test errored in setup)."""
+    tests = """
+    def test_with_a_password(redlock_nodes):
+        redlock_nodes.require_password("pw")
+
+    def test_after(redlock_nodes):
+        assert redlock_nodes[0].client().ping()
+
+    def test_after_that(redlock_nodes):
+        assert redlock_nodes[0].client().ping()
+    """
+    result = _pytest(_bare(tmp_path / "site", tests), *NO_DJANGO)
+    assert result.returncode == 0, _report(result)
+    assert "3 passed" in result.stdout, _report(result)

@@ -48,7 +48,8 @@ def find_redis_server(choice: str | None = None) -> str:
                 f"server {choice!r} is neither 'redis', 'valkey' nor an executable "
                 f"file (from the argument, --redlock-server or {SERVER_ENV})"
             )
-        return choice
+        # Absolute: each node runs in its own directory.
+        return os.path.abspath(choice)
     on_path = shutil.which("redis-server")
     if on_path:
         return on_path

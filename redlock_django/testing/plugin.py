@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from . import redlock_config
-from .binary import SERVER_ENV, ServerNotFoundError
+from .binary import SERVER_ENV, ServerNotFoundError, find_redis_server
 from .servers import NodeSet
 
 DEFAULT_NODE_COUNT = 3
@@ -66,8 +66,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Refuse a bad node count at once, before any test or server runs."""
+    """Refuse a bad node count or server path at once, before any test runs.
+
+    Only a path given by the option or the ini file is checked here: ``redis``,
+    ``valkey`` and ``$REDLOCK_TEST_SERVER`` are looked up when a test first asks
+    for nodes, so a suite that uses none needs no server.
+    """
     node_count(config)
+    choice = config.getoption("redlock_server")
+    if not choice and not os.environ.get(SERVER_ENV):
+        choice = _ini_server(config)
+    if choice and choice not in ("redis", "valkey"):
+        try:
+            find_redis_server(choice)
+        except ServerNotFoundError as exc:
+            raise pytest.UsageError(f"redlock-django test nodes: {exc}") from None
+
+
+def _ini_server(config: pytest.Config) -> str:
+    """The ini file's ``redlock_server``; a relative path is the ini file's."""
+    value = str(config.getini("redlock_server") or "")
+    if value in ("", "redis", "valkey") or os.path.isabs(value):
+        return value
+    base = config.inipath.parent if config.inipath else Path.cwd()
+    return str(base / value)
 
 
 def node_count(config: pytest.Config) -> int:
@@ -89,7 +111,7 @@ def server_choice(config: pytest.Config) -> str | None:
     value = (
         config.getoption("redlock_server")
         or os.environ.get(SERVER_ENV)
-        or config.getini("redlock_server")
+        or _ini_server(config)
     )
     return str(value) if value else None
 
