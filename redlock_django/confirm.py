@@ -154,8 +154,9 @@ def _next_try(hold: Hold, valid_until: float | None) -> float | None:
         return None
     if valid_until is not None:
         hold.confirming = False
-        signals.lock_extended.send(
-            sender=type(hold.lock),
+        signals.send(
+            signals.lock_extended,
+            type(hold.lock),
             lock=hold.lock,
             resource=hold.config.spec.resource,
             validity=valid_until - _clock(),

@@ -79,8 +79,9 @@ def report_lost(hold: Hold, reason: str, sender: type) -> None:
     if hold.lost_reported:
         return
     hold.lost_reported = True
-    signals.lock_lost.send(
-        sender=sender,
+    signals.send(
+        signals.lock_lost,
+        sender,
         lock=hold.lock,
         resource=hold.config.spec.resource,
         held=_clock() - hold.lease.acquired,
@@ -236,7 +237,8 @@ def reenter(hold: Hold, wanted: Config) -> None:
 def replace(owner: object, hold: Hold, resource: str, sender: type) -> None:
     """Drop a hold found lost or run out, so the owner can acquire afresh.
 
-    Its watchdog is stopped, ``lock_lost`` sent (once per hold) and a warning
+    Its watchdog is stopped, ``lock_lost`` sent (once per hold), then
+    ``lock_released`` (nothing released, ``lost`` saying why) and a warning
     logged; ``with`` blocks still open on it raise ``LockLostError`` at exit.
     """
     lease = hold.lease
@@ -254,3 +256,16 @@ def replace(owner: object, hold: Hold, resource: str, sender: type) -> None:
         why,
     )
     report_lost(hold, why, sender)
+    # The hold ends here, released nowhere: receivers that pair acquisitions
+    # with releases (the redlock_held gauge, spans) see it end.
+    signals.send(
+        signals.lock_released,
+        sender,
+        lock=hold.lock,
+        resource=hold.config.spec.resource,
+        held=_clock() - lease.acquired,
+        elapsed=0.0,
+        released=0,
+        lost=why,
+        fencing_token=lease.fencing_token,
+    )

@@ -174,7 +174,7 @@ class Redlock:
 
     def _send(self, signal: Signal, **details: Any) -> None:
         """Send ``signal`` about this lock, with the ``details`` it carries."""
-        signal.send(sender=Redlock, lock=self, resource=self.resource, **details)
+        signals.send(signal, Redlock, lock=self, resource=self.resource, **details)
 
     def _grant(self, owner: object, config: Config, grant: Grant, since: float) -> Hold:
         lease = Lease(

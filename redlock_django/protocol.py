@@ -819,18 +819,25 @@ def extend_flow(
         )
     lease.extensions += 1
     every = tuple(range(spec.node_count))
-    replies: Replies = yield Fanout(
-        EXTEND_SCRIPT,
-        (spec.key,),
-        (lease.token, ttl_ms(ttl), lease.extensions),
-        need=spec.quorum,
-        wins=confirmed,
-    )
+    ends = start + ttl - drift(ttl, spec.drift_factor)
+    try:
+        replies: Replies = yield Fanout(
+            EXTEND_SCRIPT,
+            (spec.key,),
+            (lease.token, ttl_ms(ttl), lease.extensions),
+            need=spec.quorum,
+            wins=confirmed,
+        )
+    except BaseException:
+        # Interrupted or cancelled with the command sent: the nodes may have
+        # applied it, so a shorter lease holds from now on, as for an
+        # unconfirmed one.
+        lease.valid_until = min(lease.valid_until, ends)
+        raise
     now = clock()
     confirms = sum(1 for r in replies if confirmed(r.value))
     failed = _failed(spec, replies, every)
     fresh = validity(ttl, now - start, spec.drift_factor)
-    ends = start + ttl - drift(ttl, spec.drift_factor)
     if confirms >= spec.quorum and fresh > 0 and now < lease.valid_until:
         lease.valid_until = ends
         return Extension(confirms, ends, failed)
@@ -982,10 +989,17 @@ def watchdog_flow(
     The flow sleeps until a third of the lease has passed, then extends it; a failed
     extension is retried after a retry delay while validity is left. It marks the
     lease lost when validity runs out without a confirmed extension. With
-    ``max_hold`` the last extensions are shortened so the lock ends by then.
+    ``max_hold`` the last extensions are shortened so the lock ends by then. A
+    lease its owner extended meanwhile is extended only when a third of *it* has
+    passed: the watchdog never shortens a lease (``max_hold`` caps its own
+    extensions, not the owner's).
     """
     while lease.lost is None:
         yield Sleep(watchdog_delay(lease, spec.ttl, clock()))
+        if watchdog_delay(lease, spec.ttl, clock()) > 0:
+            # The owner extended the lease meanwhile (extend(), maybe longer than
+            # the TTL): extending now would shorten it.
+            continue
         ttl, last = spec.ttl, False
         if max_hold is not None:
             cap = lease.acquired + max_hold - clock()

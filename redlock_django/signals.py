@@ -17,7 +17,9 @@ Each sends ``lock`` (the ``Redlock``) and ``resource``, plus:
 - ``lock_released``: ``held`` (seconds between grant and release), ``elapsed``
   (seconds the release on the nodes took), ``released`` (nodes that still had the
   lock and dropped it), ``lost`` (why the lease was lost while held, else None)
-  and ``fencing_token``.
+  and ``fencing_token``. Also sent, with ``released`` 0 and ``elapsed`` 0, for a
+  lost hold dropped at its owner's next acquire: every ``lock_acquired`` is
+  followed by one ``lock_released``.
 - ``lock_lost``: ``held``, ``reason``, ``fencing_token``; once per hold, when a
   watchdog gives up or a release finds the lease ran out.
 
@@ -26,10 +28,16 @@ runs in a copy of the acquiring owner's context (``contextvars``), so receivers
 that read context (a trace's current span) see the acquirer's.
 
 The signals cache their receivers per sender, so sending one (with or without
-receivers) costs about a dictionary lookup: they are always sent.
+receivers) costs about a dictionary lookup: they are always sent. They are sent
+with ``send()`` below: a receiver that raises is logged (ERROR, on Django's
+``django.dispatch`` logger) and never interrupts the lock, whose state must not
+depend on a receiver (a lock granted but never returned to its caller would
+stay held).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from django.dispatch import Signal
 
@@ -48,3 +56,9 @@ lock_unavailable = Signal(use_caching=True)
 lock_extended = Signal(use_caching=True)
 lock_released = Signal(use_caching=True)
 lock_lost = Signal(use_caching=True)
+
+
+def send(signal: Signal, sender: type, **named: Any) -> None:
+    """Send ``signal`` to every receiver; what a receiver raises is logged by
+    Django (ERROR, on the ``django.dispatch`` logger), never raised here."""
+    signal.send_robust(sender=sender, **named)

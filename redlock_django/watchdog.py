@@ -110,8 +110,9 @@ class Watchdog:
         grown = lease.valid_until > self._valid_until
         self._valid_until = lease.valid_until
         if grown:
-            signals.lock_extended.send(
-                sender=self._sender,
+            signals.send(
+                signals.lock_extended,
+                self._sender,
                 lock=self.hold.lock,
                 resource=self.hold.config.spec.resource,
                 validity=lease.valid_until - _clock(),

@@ -22,7 +22,7 @@ import pytest
 from harness.held import lock_key
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
-from redlock_django import LockLostError, Redlock
+from redlock_django import LockError, LockLostError, Redlock
 
 TTL = 1.2
 #: The watchdog's EXTEND carries the TTL in ms as a bulk string of its own.
@@ -173,3 +173,135 @@ def test_a_late_older_extension_never_replaces_a_later_lease(nodes: NodeSet) -> 
     assert extend(20000) == 1  # no number: the plain rule
     assert extend(300, 3) == 1 and client.pttl(key) <= 300
     assert int(client.eval(EXTEND_SCRIPT.source, 1, key, "other", 300, 9)) == 0
+
+
+#: The EXTEND of a 0.3 s lease carries "300" as a bulk string of its own.
+SHORT_EXTEND = b"$3\r\n300\r\n"
+
+
+async def test_a_cancelled_aextend_leaves_the_holder_the_shorter_lease(
+    proxies: list[FaultProxy], nodes: NodeSet
+) -> None:
+    """``aextend(0.3)`` runs on every node (the replies are late) and the caller
+    is cancelled (``asyncio.timeout``) before they arrive. The nodes now hold a
+    0.3 s lease; the holder must not go on claiming its old 10 s one (it did:
+    once the keys expired, another owner took the lock while the first still
+    said ``owned()``, two holders)."""
+    lock = Redlock("cancel-extend", ttl=10.0)
+    assert await lock.aacquire()
+    try:
+        assert await lock.aextend()  # loads the script: no NOSCRIPT round trip
+        for proxy in proxies:
+            proxy.hold_reply_to(SHORT_EXTEND)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await lock.aextend(0.3)
+        for proxy in proxies:
+            proxy.release_held_replies()
+        await asyncio.sleep(0.4)  # the nodes' 0.3 s lease has run out
+        assert majority_pttl(nodes, "cancel-extend") == 0.0
+        other = Redlock("cancel-extend", ttl=10.0)
+        got = await asyncio.to_thread(other.acquire, blocking=False)
+        try:
+            claimed = lock.owned(), round(lock.validity, 1)
+            assert not (claimed[0] and got), (
+                f"two holders: the first claims owned()={claimed[0]} with "
+                f"validity {claimed[1]}s, the second acquired={got}"
+            )
+        finally:
+            if got:
+                await asyncio.to_thread(other.release)
+    finally:
+        for proxy in proxies:
+            proxy.release_held_replies()
+        if lock.depth:
+            with contextlib.suppress(LockError):
+                await lock.arelease()
+
+
+def test_an_interrupted_extend_leaves_the_holder_the_shorter_lease(
+    proxies: list[FaultProxy], nodes: NodeSet
+) -> None:
+    """The blocking twin: a KeyboardInterrupt (Ctrl-C, or a signal handler
+    raising) lands while ``extend(0.3)`` waits for its replies."""
+    import _thread
+
+    assert threading.current_thread() is threading.main_thread()
+    lock = Redlock("interrupt-extend", ttl=10.0)
+    assert lock.acquire()
+    try:
+        assert lock.extend()
+        for proxy in proxies:
+            proxy.hold_reply_to(SHORT_EXTEND)
+        timer = threading.Timer(0.3, _thread.interrupt_main)
+        timer.start()
+        with contextlib.suppress(KeyboardInterrupt):
+            lock.extend(0.3)
+            time.sleep(5)  # not reached if the interruption hit extend()
+        timer.join()
+        for proxy in proxies:
+            proxy.release_held_replies()
+        time.sleep(0.4)
+        assert majority_pttl(nodes, "interrupt-extend") == 0.0
+        got: list[bool] = []
+        done = threading.Event()
+        other = Redlock("interrupt-extend", ttl=10.0)
+
+        def second_owner() -> None:
+            got.append(other.acquire(blocking=False))
+            done.wait(5)
+            if got[0]:
+                other.release()
+
+        worker = threading.Thread(target=second_owner)
+        worker.start()
+        try:
+            while not got:
+                time.sleep(0.01)
+            assert not (lock.owned() and got[0]), (
+                f"two holders: owned()={lock.owned()} validity="
+                f"{lock.validity:.1f}s while another thread acquired"
+            )
+        finally:
+            done.set()
+            worker.join()
+    finally:
+        for proxy in proxies:
+            proxy.release_held_replies()
+        if lock.depth:
+            with contextlib.suppress(LockError):
+                lock.release()
+
+
+def test_the_watchdog_does_not_cut_short_a_longer_manual_extension(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """``extend(10)`` on an auto-extended lock with a 1 s TTL: the watchdog's next
+    extension shrank the lease back to 1 s. It now waits a third of the lease
+    the owner asked for."""
+    lock = Redlock("manual-long", ttl=1.0, auto_extend=True)
+    assert lock.acquire()
+    try:
+        assert lock.extend(10.0)
+        assert lock.validity > 9.5
+        time.sleep(0.5)
+        assert lock.validity > 9.0, f"validity {lock.validity:.2f}s after extend(10)"
+    finally:
+        with contextlib.suppress(LockError):
+            lock.release()
+
+
+def test_a_manual_extension_past_max_hold_is_the_owners_and_outlives_the_cap(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """``max_hold`` caps the watchdog's extensions, not the owner's: ``extend(10)``
+    was cut at the 1.5 s cap by the watchdog's last, shorter extension, and the
+    release raised LockLostError."""
+    lock = Redlock("manual-cap", ttl=1.0, auto_extend=True, max_hold=1.5)
+    assert lock.acquire()
+    assert lock.extend(10.0)
+    time.sleep(2.0)  # well inside the 10 s asked for, past max_hold
+    held = majority_pttl(nodes, "manual-cap")
+    owned = lock.owned()
+    lock.release()  # raises LockLostError if the lease was cut at the cap
+    assert owned and held > 5, (owned, held)

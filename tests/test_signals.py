@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from harness.held import lock_key
+from harness.held import lock_key, tokens
+from harness.nodes import NodeSet
 from redlock_django import (
     LockContentionError,
     QuorumUnavailableError,
@@ -142,3 +143,46 @@ def test_contention_in_a_with_block_is_not_signalled_as_unavailable(
         pass
     assert names(sent) == ["lock_contended"]
     assert isinstance(sent[0][1]["error"], LockContentionError)
+
+
+def test_a_lost_hold_dropped_at_the_next_acquire_is_signalled_released(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """An ``acquire()`` whose lease ran out unreleased is dropped by the next
+    acquire: it got a ``lock_acquired`` and now gets its ``lock_released`` (lost,
+    nothing released), so ``redlock_held`` ("Locks currently held by this
+    process") is back where it was (it stayed one too high for good)."""
+    assert metrics.installed()
+    before = sample("redlock_held")
+    forgotten = Redlock("gauge", ttl=0.3)
+    assert forgotten.acquire(blocking=False)
+    time.sleep(0.45)
+    with Redlock("gauge", ttl=5):
+        pass
+    assert tokens(nodes, "gauge") == [None] * 5  # nothing is held
+    assert sample("redlock_held") == before
+
+
+def test_a_receiver_that_raises_is_logged_and_the_lock_goes_on(
+    redlock_settings: dict[str, Any], nodes: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``lock_acquired`` receiver that raised escaped ``__enter__`` with the lock
+    granted on every node and registered to the thread, so nobody released it.
+    Receivers now get ``send_robust``: the error is logged, the lock works."""
+
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("receiver bug")
+
+    signals.lock_acquired.connect(broken, weak=False)
+    signals.lock_released.connect(broken, weak=False)
+    lock = Redlock("leak", ttl=5)
+    try:
+        with lock:
+            assert lock.owned()
+    finally:
+        signals.lock_acquired.disconnect(broken)
+        signals.lock_released.disconnect(broken)
+    assert lock.depth == 0 and tokens(nodes, "leak") == [None] * 5
+    errors = [r for r in caplog.records if "receiver bug" in str(r.exc_info)]
+    assert len(errors) == 2, caplog.records  # acquired, released
+    assert all(r.name == "django.dispatch" for r in errors)
