@@ -181,20 +181,11 @@ class Guard:
                 f"label must be a string or a callable, not {label!r}"
             )
         try:
-            probe = Redlock(
+            Redlock(
                 "decorator-check", ttl=ttl, auto_extend=auto_extend, fencing=fencing
             )
         except (TypeError, ValueError) as exc:
             raise ImproperlyConfigured(f"distributed_lock: {exc}") from exc
-        if ttl is not None:
-            # A ttl that leaves no validity after the settings' NODE_TIMEOUT could
-            # never lock: say so now, not as a 500 at every request.
-            try:
-                probe._resolve()
-            except ImproperlyConfigured:
-                pass  # settings not usable (yet): the system checks say why
-            except ValueError as exc:
-                raise ImproperlyConfigured(f"distributed_lock: {exc}") from exc
         self.source = resource if isinstance(resource, str) else name_of(resource)
         self.ttl = ttl
         self.timeout = timeout
