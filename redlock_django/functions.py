@@ -53,6 +53,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
@@ -175,7 +176,8 @@ class FunctionLock:
         try:
             check_seconds("timeout", timeout, allow_none=True, wait=True)
             check_seconds("ttl", ttl, allow_none=True)
-            check_seconds("max_hold", max_hold, allow_none=True)
+            if max_hold != math.inf:  # no cap, as Redlock takes it
+                check_seconds("max_hold", max_hold, allow_none=True)
         except (TypeError, ValueError) as exc:
             raise ImproperlyConfigured(f"locked({self.name}): {exc}") from exc
         if nodes is not None and (isinstance(nodes, str) or not nodes):
@@ -319,6 +321,16 @@ class FunctionLock:
             lock.__exit__(type(exc), exc, exc.__traceback__)
             raise
         _current.reset(token)
+        if _deferred(result):
+            # Its body runs only when awaited or iterated, after the release: a
+            # sync wrapper around an async def, say. Never run it unlocked.
+            _discard(result)
+            lock.__exit__(None, None, None)
+            raise TypeError(
+                f"locked({self.name}) returned {type(result).__name__} "
+                f"{result!r}, whose body would run after the lock is released; "
+                "decorate the async def itself (or make the wrapper async def)"
+            )
         lock.__exit__(None, None, None)
         return result
 
@@ -387,7 +399,7 @@ def locked(
             max_hold=max_hold,
             nodes=nodes,
         )
-        if iscoroutinefunction(func):
+        if is_async_callable(func):
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -405,3 +417,30 @@ def locked(
         return cast(F, wrapper)
 
     return decorate
+
+
+def is_async_callable(func: object) -> bool:
+    """Whether calling ``func`` gives a coroutine: an ``async def`` function, or an
+    object whose ``__call__`` is one."""
+    if iscoroutinefunction(func):
+        return True
+    if inspect.isroutine(func) or isinstance(func, type):
+        return False
+    call = inspect.getattr_static(type(func), "__call__", None)
+    return call is not None and iscoroutinefunction(call)
+
+
+def _deferred(result: object) -> bool:
+    """Whether ``result`` is a body yet to run: a coroutine, awaitable or generator."""
+    return (
+        inspect.isawaitable(result)
+        or inspect.isgenerator(result)
+        or inspect.isasyncgen(result)
+    )
+
+
+def _discard(result: Any) -> None:
+    """Close a coroutine or generator that will never run (no "never awaited")."""
+    close = getattr(result, "close", None)
+    if callable(close):
+        close()

@@ -35,6 +35,7 @@ __all__ = [
     "put",
     "reenter",
     "replace",
+    "replaced",
     "report_lost",
     "sync_owner",
 ]
@@ -185,6 +186,12 @@ def _note_replaced(owner: object, identity: tuple[Any, ...], hold: Hold) -> None
     why = hold.lease.lost or "its lease ran out"
     with _holds_lock:
         _replaced.setdefault(owner, {})[identity] = [hold.depth, why]
+
+
+def replaced(owner: object, identity: tuple[Any, ...]) -> bool:
+    """Whether levels of a lost hold that a later acquisition replaced are open."""
+    with _holds_lock:
+        return identity in _replaced.get(owner, {})
 
 
 def pop_replaced(owner: object, identity: tuple[Any, ...]) -> str | None:

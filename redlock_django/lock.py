@@ -579,11 +579,18 @@ class Redlock:
 
     @property
     def lost(self) -> bool:
-        """Whether the current owner's lease was lost or ran out while held."""
-        hold = self._current()
-        return hold is not None and (
-            hold.lease.lost is not None or _clock() >= hold.lease.valid_until
-        )
+        """Whether the current owner's lease was lost or ran out while held.
+
+        Also True while a ``with`` block (or locked call) of a lost hold that a
+        later acquisition by this owner replaced is still open: that block's
+        lease is gone, whatever the replacement did since.
+        """
+        owner = holds.current_owner()
+        identity = self._resolve().identity
+        hold = holds.find(owner, identity)
+        if hold is None:
+            return holds.replaced(owner, identity)
+        return hold.lease.lost is not None or _clock() >= hold.lease.valid_until
 
     @property
     def depth(self) -> int:

@@ -639,3 +639,19 @@ def test_importing_without_celery_says_how_to_install_it() -> None:
     assert done.returncode == 1
     assert "ImportError: redlock_django.contrib.celery needs Celery" in done.stderr
     assert "pip install 'redlock-django[celery]'" in done.stderr
+
+
+def test_lock_nodes_given_as_one_url_string_is_refused_when_the_task_is_made(
+    nodes: NodeSet,
+) -> None:
+    """``locked(nodes="redis://...")`` is refused at decoration; the task option is
+    too (it was split into characters, and every run failed on "cache alias 'r'")."""
+    app = Celery("nodes-string", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.finalize()
+    with pytest.raises(ImproperlyConfigured, match="nodes must be a non-empty list"):
+
+        @app.task(
+            base=RedlockTask, lock="x:{a}", lock_nodes=nodes.urls[0], shared=False
+        )
+        def job(a: int) -> None: ...

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +14,7 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from harness.held import lock_key, tokens
+from harness.held import held_on, lock_key, tokens
 from redlock_django import (
     LockContentionError,
     LockLostError,
@@ -644,3 +646,85 @@ def test_with_fencing_the_next_write_after_a_lost_lease_raises(nodes: Any) -> No
     assert order == ["fresh"]
     item.refresh_from_db()
     assert item.stock == 9
+
+
+def _traced(func: Any) -> Any:
+    """A common hand-written decorator: a sync wrapper returning what func returns."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+class _Exporter:
+    """A callable object whose ``__call__`` is a coroutine function."""
+
+    def __init__(self, nodes: Any, seen: list[int]) -> None:
+        self.nodes, self.seen = nodes, seen
+
+    async def __call__(self, key: str) -> None:
+        self.seen.append(held_on(self.nodes, f"export:{key}"))
+
+
+def test_an_object_with_an_async_call_is_locked_while_its_body_runs(nodes: Any) -> None:
+    """An object whose ``__call__`` is ``async def`` gets the async driver: its
+    body runs under the lock (it took the lock, made the coroutine and released,
+    and the body ran on a free lock)."""
+    seen: list[int] = []
+    export = locked("export:{key}")(_Exporter(nodes, seen))
+    asyncio.run(export("k"))
+    assert seen == [5]
+    assert held_on(nodes, "export:k") == 0
+
+
+def test_a_sync_callable_returning_a_coroutine_is_refused_and_never_runs(
+    nodes: Any,
+) -> None:
+    """A sync wrapper around an ``async def`` returns the coroutine after the call:
+    its body would run after the release. It is closed unrun and the call raises
+    TypeError (it ran unlocked), with the lock released."""
+    seen: list[int] = []
+
+    async def export(key: str) -> None:
+        seen.append(held_on(nodes, f"export:{key}"))
+
+    wrapped = locked("export:{key}")(_traced(export))
+    with pytest.raises(TypeError, match="would run after the lock is released"):
+        wrapped("k")
+    assert seen == [] and held_on(nodes, "export:k") == 0
+
+
+def test_current_lock_stays_lost_after_a_reentrant_call_replaced_its_hold(
+    nodes: Any,
+) -> None:
+    """The outer call's lease ran out; the body calls the locked function again,
+    which re-acquires afresh and releases. The outer body's ``current_lock().lost``
+    stays True (it read False again), and the call ends with LockLostError."""
+    seen: dict[str, Any] = {}
+
+    @locked("job:{n}", ttl=0.3, auto_extend=False)
+    def job(n: int, depth: int = 0) -> str:
+        if depth:
+            return "inner"
+        lock = current_lock()
+        assert lock is not None
+        time.sleep(0.5)  # the lease runs out
+        seen["before"] = lock.lost
+        job(n, depth=1)
+        seen["after"] = lock.lost
+        return "outer"
+
+    with pytest.raises(LockLostError):
+        job(1)
+    assert seen == {"before": True, "after": True}
+
+
+def test_locked_takes_max_hold_inf_as_redlock_does() -> None:
+    """``math.inf``: no cap, whatever ``MAX_HOLD`` says (it was refused)."""
+
+    def job() -> None: ...
+
+    guarded = locked("job", max_hold=math.inf)(job)
+    assert guarded.function_lock.max_hold == math.inf  # type: ignore[attr-defined]

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 try:
     from billiard.exceptions import WorkerLostError
@@ -166,7 +166,12 @@ def _function_lock_for(cls: type[RedlockTask]) -> FunctionLock | None:
         auto_extend=cls.lock_auto_extend,
         fencing=cls.lock_fencing,
         max_hold=cls.lock_max_hold,
-        nodes=None if cls.lock_nodes is None else list(cls.lock_nodes),
+        # A str is left as it is, so that it is refused as one, not split.
+        nodes=(
+            list(cls.lock_nodes)
+            if isinstance(cls.lock_nodes, (list, tuple))
+            else cast(Any, cls.lock_nodes)
+        ),
         skip_params=skip,
     )
 
