@@ -95,7 +95,13 @@ def audit(product: Product) -> dict[str, Any]:
     duplicates = (
         orders.values("customer").annotate(n=Count("id")).filter(n__gt=1).count()
     )
-    initial, stock = product.initial_stock, product.stock
+    # The stock is read after the orders (not with the instance, read earlier):
+    # a sale committed in between then shows as an order with its stock still
+    # on offer, never as an order whose unit is counted twice. Stock only falls,
+    # so units read first plus stock read later never exceed the initial stock.
+    row = Product.objects.filter(pk=product.pk).values("initial_stock", "stock")
+    current = row.first() or {"initial_stock": product.initial_stock, "stock": 0}
+    initial, stock = int(current["initial_stock"]), int(current["stock"])
     oversold = max(0, units_sold - initial, units_sold + stock - initial, -stock)
     return {
         "product": product.pk,

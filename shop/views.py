@@ -8,8 +8,9 @@
 2. ``@distributed_lock("shop:customer:<customer>")`` takes the customer lock,
    then ``@distributed_lock(<the product's model_resource>, fencing=True)`` the
    product lock, always in that order, so two locks never wait for each other
-   crosswise (each waits up to ``REDLOCK["WAIT_TIMEOUT"]``; 423 / 503 JSON from
-   the decorator, naming the lock's resource).
+   crosswise (each waits up to ``REDLOCK["WAIT_TIMEOUT"]``; 423 / 503 from the
+   decorator, naming the lock's resource: JSON, or a small HTML page for a
+   request that asks for HTML, as the decorator answers).
 3. Under the customer lock alone, before the product's: refuse a second order
    (409 ``already_ordered``: no other request of this customer runs, and their
    earlier orders were committed before their lock was released; the unique
@@ -60,8 +61,10 @@ import time
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import SuspiciousOperation
 from django.db import IntegrityError, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 
@@ -112,15 +115,20 @@ def parse_order(request: HttpRequest) -> tuple[str, int]:
     """Return ``(customer, quantity)`` from a JSON or form body; raise BadRequest."""
     content_type = request.content_type or ""
     data: Any
-    if content_type == "application/json" or content_type.endswith("+json"):
-        try:
-            data = json.loads(request.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"malformed JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise BadRequest("the JSON body must be an object")
-    else:
-        data = request.POST
+    try:
+        if content_type == "application/json" or content_type.endswith("+json"):
+            try:
+                data = json.loads(request.body)
+            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+                raise BadRequest(f"malformed JSON: {exc}") from exc
+            if not isinstance(data, dict):
+                raise BadRequest("the JSON body must be an object")
+        else:
+            data = request.POST
+    except (SuspiciousOperation, MultiPartParserError) as exc:
+        # Refused by Django itself (too large, too many fields, no boundary): the
+        # answer is this API's JSON 400 all the same.
+        raise BadRequest(f"the request body was refused: {exc}") from exc
     customer = data.get("customer")
     if customer is None or customer == "":
         raise BadRequest("customer is missing")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection, connections
 from django.test import Client
 
@@ -760,3 +760,116 @@ def test_shop_servers_sell_exactly_the_stock_across_processes(
     log = shop_servers.log_text()
     assert "database is locked" not in log
     assert "Traceback" not in log
+
+
+def assert_json_400(response: Any) -> None:
+    assert (response.status_code, response["Content-Type"]) == (
+        400,
+        "application/json",
+    ), response.content[:120]
+    assert response.json()["error"] == "bad_request"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["buy", "buy-unsafe"])
+def test_deeply_nested_json_is_a_json_400_not_a_500(
+    redlock_settings: dict[str, Any], path: str
+) -> None:
+    """A 4 kB body nesting 2000 arrays: json.loads raises RecursionError (it was
+    an HTML 500 on both endpoints)."""
+    client = Client(raise_request_exception=False)
+    product = make_product(10)
+    body = b'{"customer": "alice", "quantity": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+    response = client.post(
+        f"/shop/products/{product.pk}/{path}/", body, content_type="application/json"
+    )
+    assert_json_400(response)
+    assert not Order.objects.exists()
+
+
+BIG = 3 * 1024 * 1024  # over DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MiB)
+BODIES = {
+    "json-3MB-customer": (
+        b'{"customer": "' + b"a" * BIG + b'", "quantity": 1}',
+        "application/json",
+    ),
+    "form-3MB-customer": (
+        b"customer=" + b"a" * BIG + b"&quantity=1",
+        "application/x-www-form-urlencoded",
+    ),
+    "form-1001-fields": (
+        b"&".join(b"f%d=1" % i for i in range(1001)) + b"&customer=a&quantity=1",
+        "application/x-www-form-urlencoded",
+    ),
+    "multipart-no-boundary": (b"customer=a&quantity=1", "multipart/form-data"),
+}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("kind", list(BODIES))
+def test_bodies_django_refuses_still_get_the_json_400(
+    redlock_settings: dict[str, Any], kind: str
+) -> None:
+    """Bodies Django refuses itself (too large, too many fields, multipart without
+    a boundary) get this API's JSON 400 too (they got Django's HTML page)."""
+    client = Client(raise_request_exception=False)
+    product = make_product(10)
+    body, content_type = BODIES[kind]
+    response = client.post(
+        f"/shop/products/{product.pk}/buy/", body, content_type=content_type
+    )
+    assert_json_400(response)
+    assert not Order.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_live_audit_never_reports_an_oversell_of_a_correct_sale(
+    client: Client, redlock_settings: dict[str, Any]
+) -> None:
+    """models.audit: oversold "is 0 for a correct sale at any moment".
+
+    One locked purchase (another thread, its own connection) commits right after
+    the audit view's product query (Django's execute_wrapper hook): the audit
+    paired the old stock with the new order and reported 1 unit oversold. It now
+    reads the stock after the orders."""
+    product = make_product(10)
+    fired: list[int] = []
+
+    def sell() -> None:
+        try:
+            status = (
+                Client()
+                .post(
+                    f"/shop/products/{product.pk}/buy/",
+                    {"customer": "bob", "quantity": 1},
+                    content_type="application/json",
+                )
+                .status_code
+            )
+            fired.append(status)
+        finally:
+            connections.close_all()
+
+    def sale_after_the_product_query(execute, sql, params, many, context):  # type: ignore[no-untyped-def]
+        result = execute(sql, params, many, context)
+        if not fired and 'FROM "shop_product"' in sql:
+            seller = threading.Thread(target=sell)
+            seller.start()
+            seller.join(30)
+        return result
+
+    with connection.execute_wrapper(sale_after_the_product_query):
+        report = client.get(f"/shop/products/{product.pk}/audit/").json()
+    assert fired == [201]
+    product.refresh_from_db()
+    assert (product.stock, Order.objects.count()) == (9, 1)  # a correct sale
+    assert report["oversold"] == 0, report
+
+
+@pytest.mark.django_db
+def test_seed_sale_refuses_a_stock_the_column_cannot_hold() -> None:
+    """A --stock past the column's range is refused like --stock -1 (exit 2); it
+    was a DataError traceback on PostgreSQL."""
+    with pytest.raises(CommandError) as refused:
+        call_command("seed_sale", "--stock", "3000000000")
+    assert refused.value.returncode == 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import transaction
+from django.db import connection, transaction
 
 from shop.models import Product
 
@@ -38,6 +38,9 @@ class Command(BaseCommand):
         name: str = options["name"]
         if stock < 0:
             raise CommandError("--stock must be 0 or more", returncode=2)
+        _, most = connection.ops.integer_field_range("PositiveIntegerField")
+        if most is not None and stock > most:
+            raise CommandError(f"--stock must be at most {most}", returncode=2)
         if not name or len(name) > 100:
             raise CommandError("--name must be 1-100 characters", returncode=2)
         with transaction.atomic():
