@@ -500,6 +500,7 @@ def acquire_flow(
             start = clock()
             if place is not None:
                 place.attempt, place.started = attempt, start
+                place.cleaned = ()
             try:
                 replies: Replies = yield Fanout(
                     script,
@@ -561,6 +562,11 @@ def acquire_flow(
                 if not r.ok or not refused(r.value)
             )
             if suspect:
+                if place is not None:
+                    # A release may hand this attempt the lock on a node whose
+                    # reply was late; this clean-up then deletes it there (before
+                    # or after the hand-off): those nodes never count for one.
+                    place.cleaned = suspect
                 yield _cleanup(spec, mine, suspect)
             if place is not None:
                 tickets = [t for t in map(queued_with, (r.value for r in replies)) if t]
@@ -644,6 +650,9 @@ class _Place:
     #: counts from that start.
     attempt: int = 0
     started: float = 0.0
+    #: The nodes where that attempt's own clean-up ran: a hand-off there may be
+    #: deleted by it, so it is not counted (``_handed``).
+    cleaned: tuple[int, ...] = ()
 
 
 def _handed(
@@ -655,8 +664,10 @@ def _handed(
     refusal> [<fencing token>]``. A node's key lives at least until the start of
     that attempt plus the two (the node refused it after it started). Only a
     hand-off of the waiter's last attempt counts: a later attempt may have taken
-    the handed key over, and its clean-up deleted it. Counted are the nodes that
-    name that attempt, if a quorum do: the lock is valid until
+    the handed key over, and its clean-up deleted it. Nor does one on a node where
+    that attempt's own clean-up ran (its reply was late or lost: the clean-up
+    deletes the handed key whenever it lands). Counted are the nodes that name
+    that attempt, if a quorum do: the lock is valid until
     the quorum-th latest of their keys ends, less the drift allowance. The fencing
     token is the least of theirs: every one of them is past the previous holder's,
     and every later majority meets one of these nodes (docs/fairness.md).
@@ -672,7 +683,7 @@ def _handed(
         sorted(
             i
             for i, fields in parsed.items()
-            if len(fields) >= 3 and fields[0] == attempt
+            if len(fields) >= 3 and fields[0] == attempt and i not in place.cleaned
         )
     )
     if len(nodes) < spec.quorum:

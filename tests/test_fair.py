@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 
 from harness.nodes import NodeSet
-from redlock_django import LockLostError, Redlock, signals, wake
+from harness.proxy import FaultProxy
+from redlock_django import LockError, LockLostError, Redlock, signals, wake
 from redlock_django import nodes as nodes_module
 from redlock_django.keys import handoff_key, lock_key, queue_keys
 from redlock_django.protocol import QUEUE_LIFE
@@ -895,3 +896,131 @@ def test_no_acquisition_of_a_hot_fair_lock_waits_for_a_handed_lease_to_run_out(
     assert longest < QUEUE_LIFE / 2, results
     acquired = sum(r["acquired"] for r in results)
     assert sum(r["handed"] for r in results) > acquired / 2, results
+
+
+def _holders_on(nodes: NodeSet, resource: str) -> list[str | None]:
+    key = lock_key(resource, "redlock")
+    return [
+        (token.decode() if (token := node.client().hget(key, "token")) else None)
+        for node in nodes
+    ]
+
+
+@pytest.fixture
+def cut_and_late(
+    nodes: NodeSet, redlock_settings: dict[str, Any], settings: Any
+) -> Iterator[list[FaultProxy]]:
+    """Nodes 2-4 ("X", "C", "D") behind fault proxies; yields X's."""
+    proxies = [FaultProxy(nodes[i].port).start() for i in (2, 3, 4)]
+    urls = list(nodes.urls)
+    for i, proxy in zip((2, 3, 4), proxies, strict=True):
+        urls[i] = proxy.url
+    settings.REDLOCK = {
+        **redlock_settings,
+        "NODES": urls,
+        "NODE_TIMEOUT": 1.0,
+        "RETRY_DELAY": 1.0,
+        "RETRY_JITTER": 0.0,
+        "QUEUE_LIFE": 10.0,
+        "WAIT_TIMEOUT": 20.0,
+    }
+    try:
+        yield proxies
+    finally:
+        for proxy in proxies:
+            with contextlib.suppress(Exception):
+                proxy.release_held_replies()
+            proxy.close()
+        nodes.resume_all()
+
+
+def test_a_hand_off_is_not_counted_where_the_attempts_own_clean_up_ran(
+    nodes: NodeSet, cut_and_late: list[FaultProxy]
+) -> None:
+    """The waiter W's attempt runs on node X (refused: held; its record names
+    that attempt) but X's reply is late (the proxy holds it back past
+    NODE_TIMEOUT). Meanwhile the holder releases: A, B and X hand the lock to
+    W's attempt and tell W so (C, D cut off by a partition). W's attempt then
+    times out on X and its clean-up (RELEASE of the attempt's token on X)
+    deletes the key X just handed to it. W's wake-up carried X's hand-off
+    message and W counted A, B, X: a quorum, handed=True, holding 2 of 5 nodes;
+    a second client then took the lock while W still claimed it (9 of 10 runs).
+    X is no longer counted: W's next attempt takes the handed keys over."""
+    resource = "review:handed-cleanup"
+    holder = Redlock(resource, fair=True, ttl=3.0)
+    assert holder.acquire(blocking=False)
+    waiter = Redlock(resource, fair=True, ttl=30.0)
+    seen: dict[str, Any] = {}
+
+    def on_acquired(**kwargs: Any) -> None:
+        if kwargs["lock"] is waiter:
+            seen["handed"] = kwargs["handed"]
+            seen["granted"] = kwargs["granted"]
+
+    signals.lock_acquired.connect(on_acquired, weak=False)
+
+    check, checked, done = threading.Event(), threading.Event(), threading.Event()
+
+    def take() -> None:
+        try:
+            seen["acquired"] = waiter.acquire(timeout=20)
+        except LockError as exc:
+            seen["acquired"] = exc
+        seen["got"].set()
+        if seen["acquired"] is not True:
+            return
+        seen["validity"] = waiter.validity
+        seen["token"] = waiter._current().lease.token  # type: ignore[union-attr]
+        check.wait(20)
+        seen["claims"] = waiter.validity
+        checked.set()
+        done.wait(20)
+        with contextlib.suppress(LockError):
+            waiter.release()
+
+    seen["got"] = threading.Event()
+
+    proxy_x, cut = cut_and_late[0], cut_and_late[1:]
+    thread = threading.Thread(target=take)
+    try:
+        thread.start()
+        _wait_until_heard(waiter)
+        time.sleep(0.1)  # past the attempt the confirmation starts: next at ~1 s
+        proxy_x.hold_reply_to(FAIR_ACQUIRE_SCRIPT.sha.encode())
+        assert proxy_x.wait_for_held_replies(1, timeout=5), "W never retried"
+        # W's attempt ran on every node (refused: held); X's reply is late.
+        for proxy in cut:
+            proxy.blackhole()  # C, D cut off (a partition) during the release
+        holder.release()  # A, B, X hand the lock to W's attempt
+        for proxy in cut:
+            proxy.pass_through()
+        assert seen["got"].wait(15), seen
+        if seen["acquired"] is not True:
+            # The interleaving was not reached this run (the waiter's later
+            # attempt met the still-armed proxy): no verdict.
+            pytest.skip(f"interleaving not reached: {seen['acquired']!r}")
+        proxy_x.release_held_replies()
+        held = _holders_on(nodes, resource)
+        on = [i for i, token in enumerate(held) if token == seen["token"]]
+        # Safety: W claims the lock, so a majority of nodes must hold its token.
+        assert seen.get("acquired") is True, seen
+        time.sleep(3.2)  # the old holder's keys on C, D (3 s TTL) run out
+        check.set()
+        assert checked.wait(5)
+        still_claims = seen["claims"]
+        other = Redlock(resource)  # a plain client of the same resource
+        got = other.acquire(blocking=False)
+        if got:
+            other.release()
+        assert len(on) >= 3 and not (got and still_claims > 0), (
+            f"W handed={seen.get('handed')} granted={seen.get('granted')} "
+            f"validity={seen.get('validity'):.2f}; its token on nodes {on} of "
+            f"{held}; a second client acquired={got} while W claims "
+            f"{still_claims:.2f}s"
+        )
+    finally:
+        signals.lock_acquired.disconnect(on_acquired)
+        nodes.resume_all()
+        check.set()
+        done.set()
+        thread.join(10)
