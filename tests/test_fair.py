@@ -898,14 +898,6 @@ def test_no_acquisition_of_a_hot_fair_lock_waits_for_a_handed_lease_to_run_out(
     assert sum(r["handed"] for r in results) > acquired / 2, results
 
 
-def _holders_on(nodes: NodeSet, resource: str) -> list[str | None]:
-    key = lock_key(resource, "redlock")
-    return [
-        (token.decode() if (token := node.client().hget(key, "token")) else None)
-        for node in nodes
-    ]
-
-
 @pytest.fixture
 def cut_and_late(
     nodes: NodeSet, redlock_settings: dict[str, Any], settings: Any

@@ -22,7 +22,7 @@ import redis
 
 from harness.held import held_on, lock_key
 from harness.nodes import NodeSet, RedisNodeError
-from redlock_django import QuorumUnavailableError, Redlock, listing, signals
+from redlock_django import QuorumUnavailableError, Redlock, listing, signals, wake
 from redlock_django import conf as redlock_conf
 from redlock_django import nodes as node_pools
 from redlock_django.address import parse_node
@@ -421,6 +421,15 @@ def test_documented_app_user_can_queue_for_a_fair_lock_and_be_served(
     deadline = time.monotonic() + 5
     while not all(a.zcard(queue) for a in acl_nodes):
         assert time.monotonic() < deadline, "the waiter never queued"
+        time.sleep(0.01)
+    # And listening: released before its subscription is confirmed, the hand-off
+    # goes unheard and the waiter takes the lock with a later attempt (and the
+    # next token), the documented fallback (tests/test_fair.py waits the same).
+    config = holder._resolve()
+    hub = wake.hub(node_pools.sync_pools(config.nodes, config.node_timeout))
+    channel = (config.spec.wake_head + wake.process_tag()).encode()
+    while not all(hub.listening(i, channel) for i in range(len(config.nodes))):
+        assert time.monotonic() < deadline, "the waiter's channel was never confirmed"
         time.sleep(0.01)
     holder.release()
     waiter.join(timeout=10)
