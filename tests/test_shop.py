@@ -832,6 +832,8 @@ def test_the_live_audit_never_reports_an_oversell_of_a_correct_sale(
     the audit view's product query (Django's execute_wrapper hook): the audit
     paired the old stock with the new order and reported 1 unit oversold. It now
     reads the stock after the orders."""
+    if connection.vendor != "postgresql":
+        pytest.skip("a sale on another connection mid-request: set DATABASE_URL")
     product = make_product(10)
     fired: list[int] = []
 

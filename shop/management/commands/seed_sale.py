@@ -20,6 +20,10 @@ from shop.models import Product
 DEFAULT_NAME = "Flash sale"
 
 
+#: The largest stock a PositiveIntegerField holds on every database Django supports.
+MAX_STOCK = 2147483647
+
+
 class Command(BaseCommand):
     help = "Create or reset a product on sale and print product_id=<id>."
 
@@ -38,8 +42,13 @@ class Command(BaseCommand):
         name: str = options["name"]
         if stock < 0:
             raise CommandError("--stock must be 0 or more", returncode=2)
-        _, most = connection.ops.integer_field_range("PositiveIntegerField")
-        if most is not None and stock > most:
+        # A PositiveIntegerField: the range Django calls safe on every database
+        # it supports (PostgreSQL's integer column holds no more).
+        most = min(
+            connection.ops.integer_field_range("PositiveIntegerField")[1] or MAX_STOCK,
+            MAX_STOCK,
+        )
+        if stock > most:
             raise CommandError(f"--stock must be at most {most}", returncode=2)
         if not name or len(name) > 100:
             raise CommandError("--name must be 1-100 characters", returncode=2)
