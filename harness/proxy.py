@@ -266,6 +266,8 @@ class FaultProxy:
         #: Replies held back by hold_reply_to() and not yet released.
         self.held_replies = 0
         self._reply_match: bytes | None = None
+        #: How many more matching replies to hold; None: every one.
+        self._reply_left: int | None = None
         self._reply_gate: asyncio.Event | None = None
         # The hold_request() pattern, armed until a request chunk matches it.
         self._hold_match: bytes | None = None
@@ -419,17 +421,21 @@ class FaultProxy:
 
         self._call(arm())
 
-    def hold_reply_to(self, match: bytes) -> None:
-        """Hold back the reply to every request chunk containing ``match``.
+    def hold_reply_to(self, match: bytes, count: int | None = None) -> None:
+        """Hold back the reply to every request chunk containing ``match``, or to
+        the next ``count`` of them only (later ones pass).
 
         The request runs on the node at once; its reply (and whatever follows on
         that connection) waits until :meth:`release_held_replies`.
         """
         if not match:
             raise ValueError("match must not be empty")
+        if count is not None and count < 1:
+            raise ValueError("count must be >= 1")
 
         async def arm() -> None:
             self._reply_match = match
+            self._reply_left = count
             self._reply_gate = asyncio.Event()
 
         self._call(arm())
@@ -544,6 +550,10 @@ class FaultProxy:
         match = self._reply_match
         if match is None or match not in data:
             return False
+        if self._reply_left is not None:
+            self._reply_left -= 1
+            if self._reply_left == 0:
+                self._reply_match = None  # the held ones stay held
         with self._stats:
             self.held_replies += 1
             self._stats.notify_all()
