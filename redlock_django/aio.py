@@ -22,9 +22,13 @@ redis-py drops the connection of a cancelled read, so a late reply never reaches
 the next caller. A node that answers just after the quorum decided is not
 cancelled: its call goes on in the background (for at most NODE_TIMEOUT) and
 returns the connection to the pool once the owed reply was read, so a node a
-little slower than the others does not cost a new connection every time. A call
-given up drops its connection with a reset (``sockets``): a command written into
-a partition never runs after the partition heals.
+little slower than the others does not cost a new connection every time. Such a
+call never writes again once the fan-out returned: not its command, if it was
+still connecting, nor a resend (after NOSCRIPT, or on a new connection), which
+would run after whatever the caller did next (a release, a clean-up) and leave a
+key nobody owns. A call given up drops its connection with a reset
+(``sockets``): a command written into a partition never runs after the
+partition heals.
 Clean-up steps (``Fanout.critical``) are shielded: cancelling the caller does not
 leave a partial lock behind, the cancellation propagates once they end.
 """
@@ -70,10 +74,20 @@ _SETTLE_TURNS = 4
 _background: set[asyncio.Future[None]] = set()
 
 
+class _Ended(Exception):
+    """The fan-out returned before this call wrote its command: it never will."""
+
+
 async def _roundtrip(
-    conn: Any, command: tuple[Any, ...], k: int, marks: list[float]
+    conn: Any, command: tuple[Any, ...], k: int, marks: list[float], over: list[bool]
 ) -> Any:
-    """Write ``command`` and read its reply, with no timer: the fan-out bounds it."""
+    """Write ``command`` and read its reply, with no timer: the fan-out bounds it.
+
+    Nothing is written once the fan-out is ``over``: the check and the write run in
+    one step of the loop, so no later step of the caller comes between them.
+    """
+    if over[0]:
+        raise _Ended("not sent: the fan-out had returned")
     writer = conn._writer
     if writer is None:
         raise redis.ConnectionError("Connection closed.")
@@ -120,10 +134,11 @@ async def _call(
     k: int,
     marks: list[float],
     got: list[NodeReply | None],
+    over: list[bool],
 ) -> None:
     """Run ``step`` on one node; put its reply in ``got[k]`` (before the
     connection goes back to the pool, so a fan-out that stops waiting still sees
-    it)."""
+    it). Once ``over[0]`` (the fan-out returned) it writes nothing more."""
     loop = asyncio.get_running_loop()
     tail = (len(step.keys), *step.keys, *step.args)
     # Clean-ups go as EVAL, as in sync.py: a frozen node may run them after the
@@ -137,13 +152,13 @@ async def _call(
                 if by_sha:
                     try:
                         value = await _roundtrip(
-                            conn, ("EVALSHA", step.script.sha, *tail), k, marks
+                            conn, ("EVALSHA", step.script.sha, *tail), k, marks, over
                         )
                     except NoScriptError:
                         by_sha = False
                 if not by_sha:
                     value = await _roundtrip(
-                        conn, ("EVAL", step.script.source, *tail), k, marks
+                        conn, ("EVAL", step.script.source, *tail), k, marks, over
                     )
                 got[k] = NodeReply(value)
                 return
@@ -155,6 +170,8 @@ async def _call(
                     raise
             finally:
                 await pool.release(conn)
+    except _Ended:
+        pass  # the fan-out already answered for this node
     except Exception as exc:
         got[k] = NodeReply(error=describe(exc))
 
@@ -181,8 +198,12 @@ async def fanout(
     #: When each call's command was written (or its connect began).
     marks = [began] * count
     got: list[NodeReply | None] = [None] * count
+    #: Set when this fan-out stops waiting: calls left behind write nothing more.
+    over = [False]
     calls = [
-        asyncio.ensure_future(_call(clients[i].connection_pool, step, k, marks, got))
+        asyncio.ensure_future(
+            _call(clients[i].connection_pool, step, k, marks, got, over)
+        )
         for k, i in enumerate(targets)
     ]
     index: dict[asyncio.Future[None], int] = {c: k for k, c in enumerate(calls)}
@@ -237,6 +258,7 @@ async def fanout(
         lag = loop.time() - deadline
         if why != UNAWAITED and lag > LATE_SLACK * timeout:
             why = f"{LATE}: the loop got to it {lag * 1000:.0f} ms after its deadline"
+        over[0] = True
         given_up = []
         for call in pending:
             k = index[call]
@@ -252,6 +274,7 @@ async def fanout(
                 given_up.append(call)
         pending = set()
     finally:
+        over[0] = True
         # Interrupted: calls still waiting are cancelled (their connections drop);
         # answered ones only return their connection.
         for call in pending:

@@ -7,6 +7,10 @@
 - A node that answers NOSCRIPT, and whose connection breaks before the driver
   resent the script's source, counts as that node failing: the raw redis
   ``ConnectionError`` never reaches the caller.
+- The asyncio driver's call left behind once the quorum decided writes nothing
+  more: neither its command, when it was still connecting, nor the source after
+  a late NOSCRIPT. Either would run after the holder's release and leave a key
+  nobody owns on that node until its TTL.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ from typing import Any
 
 import pytest
 
+from harness.held import lock_key
 from harness.nodes import NodeSet
 from harness.processes import process_state
 from harness.proxy import FaultProxy
-from redlock_django import aio, sync
+from redlock_django import Redlock, aio, sync
 from redlock_django import nodes as node_pools
 from redlock_django.conf import get_settings
 from redlock_django.protocol import Fanout, NodeReply
@@ -194,3 +199,80 @@ def test_a_resend_after_noscript_that_fails_counts_as_that_node_failing(
     assert "raised" not in outcome, outcome
     [[value, error]] = outcome["replies"]
     assert value is None and error.startswith("ConnectionError"), error
+
+
+def _left_on(nodes: NodeSet, key: str, password: str | None = None) -> list[dict]:
+    """The lock hash ``key`` on each node (empty: no key)."""
+    found = []
+    for i, node in enumerate(nodes):
+        with node.client(password=password if i == 3 else None) as client:
+            found.append(client.hgetall(key))
+    return found
+
+
+async def test_an_async_call_still_connecting_when_the_quorum_decided_never_writes(
+    settings: Any, redlock_settings: dict[str, Any], make_nodes: Any
+) -> None:
+    """Node 3 answers 0.3 s late (a proxy) and needs a password, so a new
+    connection to it takes one late round trip (AUTH) before the command is
+    written (as a TLS handshake to a distant node would). An acquisition wins on
+    the four other nodes while its call to node 3 is still connecting; the holder
+    then releases at once, its RELEASE to node 3 on the pooled connection. The
+    ACQUIRE is never written after it: no key is left that nobody owns (node 3
+    kept the released holder's key for its whole TTL before)."""
+    extra = make_nodes(5)
+    with extra[3].client() as client:
+        client.config_set("requirepass", "pw")
+    with FaultProxy(extra[3].port) as proxy:
+        urls = list(extra.urls)
+        urls[3] = f"redis://:pw@127.0.0.1:{proxy.port}/0"
+        settings.REDLOCK = {
+            **redlock_settings,
+            "NODES": urls,
+            "NODE_TIMEOUT": 0.6,
+            "WAKE_UPS": False,
+            "AUTO_EXTEND": False,
+        }
+        lock = Redlock("left-behind", ttl=10)
+        proxy.delay(0.3)
+        # One pooled connection to node 3 (AUTH done), then kept busy 0.3 s.
+        assert not await lock.alocked()
+        looking = asyncio.ensure_future(Redlock("left-behind").alocked())
+        await asyncio.sleep(0.1)
+        # So the acquire's call to node 3 connects anew (AUTH: 0.3 s).
+        assert await lock.aacquire(blocking=False)
+        await looking  # the pooled connection is free again
+        await lock.arelease()
+        await asyncio.sleep(1.2)  # every call's reply came or was given up
+        left = _left_on(extra, lock_key("left-behind"), password="pw")
+    assert left == [{}] * 5, f"keys nobody owns: {left!r}"
+
+
+async def test_an_async_call_left_behind_does_not_resend_after_a_late_noscript(
+    settings: Any, redlock_settings: dict[str, Any], make_nodes: Any
+) -> None:
+    """Node 3 lost its scripts and answers 0.3 s late (a proxy): its NOSCRIPT to
+    the acquisition's EVALSHA comes after the four other nodes decided and the
+    holder released. The call left behind does not send the script's source then
+    (it would take the lock on node 3 for a holder that is gone)."""
+    extra = make_nodes(5)
+    with FaultProxy(extra[3].port) as proxy:
+        urls = list(extra.urls)
+        urls[3] = proxy.url
+        settings.REDLOCK = {
+            **redlock_settings,
+            "NODES": urls,
+            "NODE_TIMEOUT": 0.6,
+            "WAKE_UPS": False,
+            "AUTO_EXTEND": False,
+        }
+        lock = Redlock("noscript-behind", ttl=10)
+        assert not await lock.alocked()  # connections made, scripts loaded
+        with extra[3].client() as client:
+            client.script_flush()
+        proxy.delay(0.3)
+        assert await lock.aacquire(blocking=False)
+        await lock.arelease()
+        await asyncio.sleep(1.2)  # every call's reply came or was given up
+        left = _left_on(extra, lock_key("noscript-behind"))
+    assert left == [{}] * 5, f"keys nobody owns: {left!r}"
