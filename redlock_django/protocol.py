@@ -1019,6 +1019,8 @@ def watchdog_flow(
                 # outlast the drift is not worth a round trip.
                 if cap <= spec.retry_delay + drift(spec.ttl, spec.drift_factor):
                     return
+                if clock() + cap - drift(cap, spec.drift_factor) <= lease.valid_until:
+                    return  # the owner's own extension already runs past the cap
                 ttl, last = cap, True
         try:
             extension = yield from extend_flow(spec, lease, ttl, clock)

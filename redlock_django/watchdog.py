@@ -106,6 +106,9 @@ class Watchdog:
         return cast(asyncio.Task[Any], owner).done()
 
     def _note_extension(self) -> None:
+        """Signal the watchdog's own extensions: the lease grew since the end of
+        its last sleep (an owner's extend() or a confirmation meanwhile signalled
+        itself, and is not counted: ``_baseline``)."""
         lease = self.hold.lease
         grown = lease.valid_until > self._valid_until
         self._valid_until = lease.valid_until
@@ -118,6 +121,10 @@ class Watchdog:
                 validity=lease.valid_until - _clock(),
             )
 
+    def _baseline(self) -> None:
+        """Note the lease as the watchdog finds it, holding the extension lock."""
+        self._valid_until = self.hold.lease.valid_until
+
     def _let_go(self) -> None:
         """Let manual extensions run again (the watchdog is about to sleep)."""
         if self._extending:
@@ -128,25 +135,27 @@ class Watchdog:
                 self.hold.extending.release()
 
     def _sleep(self, seconds: float) -> None:
-        self._let_go()
         self._note_extension()
+        self._let_go()
         if self._stop.wait(seconds) or self._owner_gone():
             raise _Stopped
         # A manual extend() under way finishes first; the flow then reads the
         # lease it left.
         self.hold.extending.acquire()
         self._extending = True
+        self._baseline()
         if self._stop.is_set():
             raise _Stopped
 
     async def _asleep(self, seconds: float) -> None:
-        self._let_go()
         self._note_extension()
+        self._let_go()
         await asyncio.sleep(seconds)
         if self._stop.is_set() or self._owner_gone():
             raise _Stopped
         await self.hold.aextending().acquire()
         self._extending = True
+        self._baseline()
         if self._stop.is_set():
             raise _Stopped
 
@@ -155,6 +164,7 @@ class Watchdog:
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         try:
             sync.run(self._flow(), pools, config.node_timeout, sleep=self._sleep)
+            self._note_extension()  # the last one, at max_hold
         except _Stopped:
             return
         except Exception:
@@ -174,6 +184,7 @@ class Watchdog:
         clients = nodes.async_clients(config.nodes, config.node_timeout)
         try:
             await aio.run(self._flow(), clients, config.node_timeout, self._asleep)
+            self._note_extension()  # the last one, at max_hold
         except _Stopped:
             return
         except asyncio.CancelledError:

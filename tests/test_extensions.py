@@ -309,3 +309,28 @@ def test_a_manual_extension_past_max_hold_is_the_owners_and_outlives_the_cap(
     owned = lock.owned()
     lock.release()  # raises LockLostError if the lease was cut at the cap
     assert owned and held > 5, (owned, held)
+
+
+def test_the_watchdogs_last_capped_extension_never_shortens_an_owners_lease(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """TTL 1.5 s, max_hold 3.3 s; the owner extends to 4 s at once (its lease
+    ends at ~3.96 s). The watchdog woke at ~2.96 s and sent its last extension,
+    to the cap (0.34 s): the owner's lease was cut to ~3.3 s. It now leaves a
+    lease that already runs past the cap alone."""
+    lock = Redlock("owner-past-cap", ttl=1.5, auto_extend=True, max_hold=3.3)
+    assert lock.acquire()
+    try:
+        began = time.monotonic()
+        assert lock.extend(4.0)
+        promised = lock.validity
+        time.sleep(max(0.0, 3.1 - (time.monotonic() - began)))
+        elapsed = time.monotonic() - began
+        left, held = lock.validity, majority_pttl(nodes, "owner-past-cap")
+        assert left >= promised - elapsed - 0.1, (
+            f"the owner's lease had {promised - elapsed:.2f}s left; "
+            f"validity {left:.2f}s, nodes {held:.2f}s"
+        )
+    finally:
+        with contextlib.suppress(LockLostError):
+            lock.release()

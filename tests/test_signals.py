@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
+from threading import current_thread
 from typing import Any
 
 import pytest
@@ -13,6 +16,7 @@ from harness.held import lock_key, tokens
 from harness.nodes import NodeSet
 from redlock_django import (
     LockContentionError,
+    LockLostError,
     QuorumUnavailableError,
     Redlock,
     metrics,
@@ -84,6 +88,91 @@ def test_extensions_are_signalled_for_extend_and_for_the_watchdog(
     with Redlock("watched", ttl=0.3, auto_extend=True):
         time.sleep(0.5)
     assert names(sent).count("lock_extended") >= 1
+
+
+def _extended(log: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, float]]:
+    """The ``lock_extended`` signals sent: (sending thread, validity)."""
+    return [
+        (kw["thread"], round(kw["validity"], 2))
+        for name, kw in log
+        if name == "lock_extended"
+    ]
+
+
+@pytest.fixture
+def extended() -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """Record ``lock_extended`` with the name of the thread that sent it."""
+    log: list[tuple[str, dict[str, Any]]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        log.append(("lock_extended", {**kwargs, "thread": current_thread().name}))
+
+    signals.lock_extended.connect(receiver, weak=False)
+    yield log
+    signals.lock_extended.disconnect(receiver)
+
+
+def test_the_watchdogs_last_extension_at_max_hold_is_signalled(
+    extended: list[Any], redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """TTL 0.9 s, max_hold 1.45 s: the watchdog extends at ~0.3 s (a full TTL)
+    and at ~0.6 s (its last one, to the cap). Each is signalled; the last one
+    was not (the signal went out at the watchdog's next sleep, and there was
+    none)."""
+    lock = Redlock("last-extension", ttl=0.9, auto_extend=True, max_hold=1.45)
+    assert lock.acquire()
+    try:
+        time.sleep(1.32)
+        assert lock.owned(), "the capped extension did not happen"
+        time.sleep(0.1)
+        assert len(_extended(extended)) == 2, _extended(extended)
+    finally:
+        with contextlib.suppress(LockLostError):
+            lock.release()
+
+
+async def test_the_async_watchdogs_last_extension_at_max_hold_is_signalled(
+    extended: list[Any], redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    lock = Redlock("last-extension", ttl=0.9, auto_extend=True, max_hold=1.45)
+    assert await lock.aacquire()
+    try:
+        await asyncio.sleep(1.32)
+        assert lock.owned(), "the capped extension did not happen"
+        await asyncio.sleep(0.1)
+        assert len(_extended(extended)) == 2, _extended(extended)
+    finally:
+        with contextlib.suppress(LockLostError):
+            await lock.arelease()
+
+
+def test_an_owners_extension_is_signalled_once_not_again_by_the_watchdog(
+    extended: list[Any], redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """``extend(3.0)`` on an auto-extended lock sends ``lock_extended`` once; the
+    watchdog, waking at a third of the first lease to find the longer one,
+    extends nothing and sent the signal again from its thread."""
+    lock = Redlock("owner-extension", ttl=1.5, auto_extend=True, max_hold=None)
+    assert lock.acquire()
+    try:
+        assert lock.extend(3.0)
+        time.sleep(1.0)  # the watchdog woke at ~0.5 s; its own turn is ~2 s
+        assert len(_extended(extended)) == 1, _extended(extended)
+    finally:
+        lock.release()
+
+
+async def test_an_owners_aextend_is_signalled_once_not_again_by_the_watchdog(
+    extended: list[Any], redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    lock = Redlock("owner-extension", ttl=1.5, auto_extend=True, max_hold=None)
+    assert await lock.aacquire()
+    try:
+        assert await lock.aextend(3.0)
+        await asyncio.sleep(1.0)
+        assert len(_extended(extended)) == 1, _extended(extended)
+    finally:
+        await lock.arelease()
 
 
 def test_a_lost_lease_is_signalled_once(
