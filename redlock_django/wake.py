@@ -203,7 +203,15 @@ class Hub:
             if any(channel in link.subscribed for link in reader.links):
                 watch.fresh = False
         if start:
-            reader.start()
+            try:
+                reader.start()
+            except RuntimeError as exc:
+                # No thread now (a pids limit, a burst of threads): wake-ups are a
+                # hint, so this waiter sleeps out its retry; the next one tries again.
+                with self._lock:
+                    if self._reader is reader:
+                        self._reader = None
+                logger.info("redlock wake-ups off for now: %s", exc)
         else:
             for link in reader.links:
                 link.ask([channel])
@@ -300,6 +308,10 @@ class Hub:
         subscribed = sum(1 for link in links if channel in link.subscribed)
         need = max(1, min(self._quorum, subscribed))
         with self._lock:
+            if channel not in self._watches and channel not in self._idle:
+                # Dropped (its last waiter left LINGER ago), heard before the node
+                # took the UNSUBSCRIBE: no state is kept for it again.
+                return
             seen = self._seen.setdefault(channel, {})
             if release not in seen:
                 if len(seen) >= SEEN:

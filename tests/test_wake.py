@@ -487,3 +487,163 @@ def test_waiters_of_one_process_sharing_its_connections_are_each_woken(
     assert results == [True] * len(names)
     for got in acquisitions[-len(names) :]:
         assert got["wakeups"] == got["attempts"] - 1 >= 1, got
+
+
+#: A thread stack no address space can map: starting a thread then fails with
+#: "can't start new thread", as it does at a container's pids limit.
+HUGE_STACK = 1 << 40
+
+
+@contextlib.contextmanager
+def _threads_cannot_start() -> Iterator[None]:
+    """While inside, no new thread of this process can start."""
+    threading.stack_size(HUGE_STACK)
+    try:
+        probe = threading.Thread(target=lambda: None)
+        with pytest.raises(RuntimeError):
+            probe.start()
+        yield
+    finally:
+        threading.stack_size(0)
+
+
+def test_an_acquire_whose_wake_up_reader_cannot_start_still_waits_on_its_timer(
+    redlock_settings: dict[str, Any], make_nodes: Callable[..., NodeSet]
+) -> None:
+    """Wake-ups are a hint: when the reader thread cannot start (the process is
+    at its thread limit for a moment), a contended acquire still waits on its
+    retry timer and answers False, instead of failing with the thread error."""
+    urls = make_nodes(3).urls  # a node set of its own: a hub with no reader yet
+    holder = Redlock("wake:no-thread", nodes=urls)
+    assert holder.acquire(blocking=False)
+    try:
+        waiter = Redlock(
+            "wake:no-thread", nodes=urls, retry_delay=0.05, reentrant=False
+        )
+        with _threads_cannot_start():
+            outcome: Any
+            try:
+                outcome = waiter.acquire(timeout=0.3)
+            except Exception as exc:  # reported below
+                outcome = exc
+        assert outcome is False, f"acquire() raised {outcome!r}"
+    finally:
+        holder.release()
+
+
+def test_a_reader_that_failed_to_start_once_does_not_end_wake_ups_for_good(
+    redlock_settings: dict[str, Any],
+    make_nodes: Callable[..., NodeSet],
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """A reader thread that failed to start once (a momentary thread limit) is
+    not left in its hub's slot: the next waiter, once threads start again, gets
+    its own reader and is woken by the release, not by its 30 s retry."""
+    fresh = make_nodes(3)
+    urls = fresh.urls
+    holder = Redlock("wake:after-no-thread", nodes=urls)
+    assert holder.acquire(blocking=False)
+    first = Redlock(
+        "wake:after-no-thread", nodes=urls, retry_delay=0.05, reentrant=False
+    )
+    with _threads_cannot_start(), contextlib.suppress(RuntimeError):
+        assert not first.acquire(timeout=0.3)
+    # Threads start again. A waiter with a 30 s retry delay waits for the release.
+    results: list[bool] = []
+    waiter = Redlock(
+        "wake:after-no-thread",
+        nodes=urls,
+        retry_delay=SLOW_RETRY,
+        retry_jitter=0,
+        reentrant=False,
+    )
+
+    def wait_then_release() -> None:
+        results.append(waiter.acquire(timeout=6))
+        if results[-1]:
+            waiter.release()
+
+    thread = threading.Thread(target=wait_then_release)
+    thread.start()
+    time.sleep(1.0)  # its first attempt failed; it waits now
+    subscribers = [len(found) for found in _subscribers(fresh)]
+    began = time.monotonic()
+    holder.release()
+    thread.join(15)
+    took = time.monotonic() - began
+    assert results == [True]
+    got = acquisitions[-1]
+    assert got["wakeups"] >= 1 and took < 3.0, (
+        f"not woken: acquired {took:.2f}s after the release, {got['attempts']} "
+        f"attempts, {got['wakeups']} wake-ups; subscriber connections while it "
+        f"waited: {subscribers}"
+    )
+
+
+# KEYS: channels; ARGV[1] a round number; publishes BURST releases on each channel.
+BURST = 100
+BURST_SCRIPT = f"""
+for i = 1, {BURST} do
+  for _, channel in ipairs(KEYS) do
+    redis.call('PUBLISH', channel, 'release-' .. ARGV[1] .. '-' .. i)
+  end
+end
+"""
+
+
+def test_releases_heard_while_a_channel_is_dropped_leave_no_state_behind(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A channel whose last waiter left is dropped after ``LINGER``; releases
+    published by other processes until its UNSUBSCRIBE reached the node must not
+    recreate its per-channel state: nothing would ever remove it again, so a
+    long-lived process would keep an entry for every resource it ever waited on."""
+    hub = _hub()
+    keeper = wake.SyncWatch(b"wake:dropped:keeper")  # keeps the reader running
+    hub.watch(keeper)
+    channels = [f"wake:dropped:{i}".encode() for i in range(10)]
+    watches = [wake.SyncWatch(channel) for channel in channels]
+    for watch in watches:
+        hub.watch(watch)
+    stop = threading.Event()
+    try:
+        _wait_for(
+            lambda: all(
+                hub.listening(i, c) for i in range(len(nodes)) for c in channels
+            ),
+            "every node confirms every channel",
+        )
+
+        def publish() -> None:  # other processes releasing these locks, nonstop
+            clients = [node.client() for node in nodes]
+            n = 0
+            while not stop.is_set():
+                n += 1
+                for client in clients:  # a burst of releases on every channel
+                    client.eval(BURST_SCRIPT, len(channels), *channels, n)
+                time.sleep(0.001)
+
+        publisher = threading.Thread(target=publish)
+        publisher.start()
+        for watch in watches:
+            hub.unwatch(watch)
+        try:
+            _wait_for(
+                lambda: (
+                    not any(
+                        hub.listening(i, c) for i in range(len(nodes)) for c in channels
+                    )
+                ),
+                "every channel is dropped",
+                limit=wake.LINGER + 8,
+            )
+        finally:
+            stop.set()
+            publisher.join(10)
+        time.sleep(0.5)
+        assert not any(c in hub.wanted() for c in channels)
+        leaked = sorted(c for c in channels if c in hub._seen or c in hub._last)
+        assert leaked == [], f"{len(leaked)} of {len(channels)} dropped channels kept"
+    finally:
+        stop.set()
+        hub.unwatch(keeper)
