@@ -2,14 +2,24 @@
 
 The wrapper acquires the lock, starts the program as its child and waits for it,
 extending the lease in the background (no cap unless ``max_hold`` is given), then
-releases the lock as soon as the child has exited. Meanwhile:
+releases the lock as soon as the job has ended. The job is the child's process
+group: off a terminal (cron, systemd) the child leads a group of its own, so the
+processes a shell line starts are signalled with it, and the lock is held until
+the last of them has exited. On a terminal the child stays in the terminal's
+foreground group (so it can read the terminal), where Ctrl-C reaches every process
+of the job directly; signals from the wrapper then reach the child alone.
+Meanwhile:
 
 - SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to the wrapper are
-  forwarded to the child; the wrapper keeps the lock until the child exits.
-- The lease lost (the watchdog could not extend it on a quorum in time): the child
+  forwarded to the job; the wrapper keeps the lock until the job has ended. Sent
+  while the wrapper still waits for the lock, they end the wait: the command is
+  not started and the run ends with 128+N.
+- The lease lost (the watchdog could not extend it on a quorum in time): the job
   gets SIGTERM, an ERROR log line says why, and the run ends with ``EXIT_LOST``.
-- ``max_hold`` reached: the child gets SIGTERM (the lock is still held until it
-  exits), a WARNING says so, and the run ends with ``EXIT_MAX_HOLD``.
+- ``max_hold`` reached: the job gets SIGTERM (the lock is still held until it
+  ends), a WARNING says so, and the run ends with ``EXIT_MAX_HOLD``.
+- Either way, a job still running ``kill_after`` seconds after that SIGTERM gets
+  SIGKILL: after a lost lease another run may be under way.
 - The wrapper killed with SIGKILL: the child gets SIGTERM from the kernel (Linux,
   ``PR_SET_PDEATHSIG``) and the lock expires within its TTL.
 
@@ -26,6 +36,7 @@ import ctypes.util
 import logging
 import math
 import os
+import random
 import shlex
 import signal
 import subprocess
@@ -39,7 +50,7 @@ from typing import Any
 from django.core.management.base import CommandError
 
 from . import signals
-from .exceptions import LockLostError, QuorumUnavailableError
+from .exceptions import LockError, LockLostError, QuorumUnavailableError
 from .lock import Redlock
 
 __all__ = [
@@ -77,21 +88,38 @@ EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_NO_QUORUM = 3
 
+#: A run that does not wait (``--wait 0``) and finds the lock held by nobody (a
+#: split vote: runs started at the same moment on several servers each took a
+#: minority) tries again this many times, a random retry delay apart.
+SPLIT_RETRIES = 3
+#: Default ``--kill-after``: seconds from the wrapper's own SIGTERM to SIGKILL.
+KILL_AFTER = 10.0
+#: How often the wrapper looks whether the job's process group has ended, and the
+#: longest it waits for the child before looking at its deadlines again.
+POLL = 0.05
+WAKE = 0.25
+
 USAGE = (
     "%(prog)s RESOURCE [--skip] [--wait SECONDS] [--ttl SECONDS] "
-    "[--max-hold SECONDS] -- COMMAND [ARGS...]"
+    "[--max-hold SECONDS] [--kill-after SECONDS] -- COMMAND [ARGS...]"
 )
 DESCRIPTION = f"""\
 Acquire the lock on RESOURCE, run COMMAND, release the lock as soon as COMMAND
 exits. The lease is extended while COMMAND runs, without a cap (REDLOCK['MAX_HOLD']
-does not apply) unless --max-hold is given. SIGTERM, SIGINT, SIGHUP, SIGQUIT,
-SIGUSR1 and SIGUSR2 are forwarded to COMMAND. If the lock is lost while COMMAND
-runs, or (on Linux) the wrapper is killed, COMMAND gets SIGTERM. The admin shows
-the command line as the lock's label: keep secrets out of ARGS.
+does not apply) unless --max-hold is given. Off a terminal, COMMAND runs in a
+process group of its own: signals reach every process it started, and the lock is
+held until the last of them has exited. SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1
+and SIGUSR2 are forwarded to COMMAND (sent while waiting for the lock, they end
+the wait: exit 128+N, not started). If the lock is lost while COMMAND runs, or
+(on Linux) the wrapper is killed, COMMAND gets SIGTERM; still running
+--kill-after seconds after a SIGTERM of the wrapper's own (lost lock,
+--max-hold), it gets SIGKILL. The admin shows the command line as the lock's
+label: keep secrets out of ARGS.
 
 exit codes:
   N      COMMAND's own exit status (0 on success)
-  128+N  COMMAND was killed by signal N (as a shell reports it)
+  128+N  COMMAND was killed by signal N (as a shell reports it), or the
+         wrapper got signal N while waiting for the lock (not started)
   1      bad resource name or settings; COMMAND not started
   2      bad command line (no COMMAND after --); not started
   3      fewer than a quorum of nodes answered; not started
@@ -147,6 +175,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"Send COMMAND SIGTERM after SECONDS (exit status {EXIT_MAX_HOLD}); "
         "the lock is held until it exits.",
     )
+    parser.add_argument(
+        "--kill-after",
+        type=seconds_type(),
+        default=KILL_AFTER,
+        metavar="SECONDS",
+        help="Send COMMAND SIGKILL when it still runs SECONDS after the SIGTERM "
+        f"of a lost lock or --max-hold (default: {KILL_AFTER:g}).",
+    )
 
 
 def main(
@@ -157,6 +193,7 @@ def main(
     wait: float,
     ttl: float | None,
     max_hold: float | None,
+    kill_after: float = KILL_AFTER,
     **options: Any,
 ) -> int:
     """Run ``argv`` under the lock on ``resource``; return the exit status.
@@ -177,8 +214,32 @@ def main(
             max_hold=math.inf,
             label=label_for(argv),
         )
-        work = Runner(lock, argv, max_hold=max_hold)
-        acquired = work.acquire(wait)
+        work = Runner(lock, argv, max_hold=max_hold, kill_after=kill_after)
+    except ValueError as exc:
+        raise CommandError(str(exc), returncode=EXIT_REFUSED) from None
+    previous: dict[int, Any] = {}
+    try:
+        work.install_handlers(previous)
+        return _acquire_and_run(work, resource, skip, wait)
+    except _Interrupted as stop:
+        work.let_go()
+        name = signal.Signals(stop.signum).name
+        raise CommandError(
+            f"{name} while waiting for {resource!r}; not running {argv[0]}",
+            returncode=128 + stop.signum,
+        ) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _acquire_and_run(work: Runner, resource: str, skip: bool, wait: float) -> int:
+    argv = work.argv
+    try:
+        try:
+            acquired = work.acquire(wait)
+        finally:
+            work.waiting = False  # from now on, signals wait for the child
     except ValueError as exc:
         raise CommandError(str(exc), returncode=EXIT_REFUSED) from None
     except QuorumUnavailableError as exc:
@@ -201,6 +262,17 @@ def main(
         raise CommandError(str(exc), returncode=exc.status) from None
 
 
+class _Interrupted(BaseException):
+    """A forwarded signal came while the wrapper waited for the lock: stop waiting.
+
+    A ``BaseException``, as KeyboardInterrupt is: the lock's flows run their
+    clean-ups for it and let it through."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class CommandNotStartedError(Exception):
     """The program could not be started; ``status`` is the shell's 126 or 127."""
 
@@ -220,53 +292,84 @@ def label_for(argv: Sequence[str]) -> str:
 class Runner:
     """Run ``argv`` as a child process while holding ``lock`` (auto-extended).
 
-    ``acquire()`` first (it returns False when another run holds the lock), then
+    ``install_handlers()`` and ``acquire()`` first (it returns False when another
+    run holds the lock; a forwarded signal during it raises ``_Interrupted``), then
     ``run()``, which returns the exit status and always releases the lock.
-    ``max_hold`` is a deadline in seconds from the start of the child, or None.
+    ``max_hold`` is a deadline in seconds from the start of the child, or None;
+    ``kill_after`` the seconds from the wrapper's own SIGTERM to SIGKILL.
     """
 
     def __init__(
-        self, lock: Redlock, argv: Sequence[str], max_hold: float | None = None
+        self,
+        lock: Redlock,
+        argv: Sequence[str],
+        max_hold: float | None = None,
+        kill_after: float = KILL_AFTER,
     ) -> None:
         if not argv:
             raise ValueError("no command to run")
         self.lock = lock
         self.argv = list(argv)
         self.max_hold = max_hold
+        self.kill_after = kill_after
         self.child: subprocess.Popen[bytes] | None = None
+        #: Whether the child leads a process group of its own (off a terminal).
+        self.own_group = not _on_terminal()
         #: Why the lease was lost, once the watchdog (or the release) says so.
         self.lost: str | None = None
         self.timed_out = False
+        #: While True, a forwarded signal ends the wait for the lock.
+        self.waiting = True
+        #: When the job gets SIGKILL (after a SIGTERM of the wrapper's own).
+        self._kill_at = math.inf
         self._pending: list[int] = []
 
     def acquire(self, wait: float) -> bool:
-        """Acquire the lock, waiting up to ``wait`` seconds (0: do not wait)."""
-        if wait <= 0:
-            return self.lock.acquire(blocking=False)
-        return self.lock.acquire(timeout=wait)
+        """Acquire the lock, waiting up to ``wait`` seconds (0: do not wait).
+
+        Not waiting, a refusal while nobody holds the lock is a split vote (runs
+        started at once on several servers, each with a minority): it is tried
+        again a few times, a random retry delay apart, so one of them runs.
+        """
+        if wait > 0:
+            return self.lock.acquire(timeout=wait)
+        for _ in range(SPLIT_RETRIES):
+            if self.lock.acquire(blocking=False):
+                return True
+            if self.lock.locked():
+                return False
+            spec = self.lock._resolve().spec
+            time.sleep(spec.retry_delay * random.random() + spec.retry_jitter)
+        return self.lock.acquire(blocking=False)
+
+    def let_go(self) -> None:
+        """Release the lock if this wrapper holds it (an interrupted wait)."""
+        with contextlib.suppress(LockError):
+            while self.lock.depth:
+                self.lock.release()
 
     def run(self) -> int:
         """Run the child under the held lock; return the exit status to exit with."""
-        previous = self._install_handlers()
+        self.waiting = False
         signals.lock_lost.connect(self._on_lost, weak=False)
         try:
             if self._pending:
                 # Told to stop before the child started: do not start it.
                 return 128 + self._pending[0]
+            if self.lost is None and self.lock.lost:
+                self.lost = "the lease ran out before the command started"
             if self.lost is not None:
                 return EXIT_LOST
             self.child = self._spawn()
             for signum in self._pending:
-                _signal(self.child, signum)
+                self._signal(signum)
             if self.lost is not None:
                 # Lost while the child was being started: the receiver missed it.
-                _signal(self.child, signal.SIGTERM)
+                self._terminate()
             status = self._wait(self.child)
         finally:
             signals.lock_lost.disconnect(self._on_lost)
             self._release()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
         if self.lost is not None:
             return EXIT_LOST
         if self.timed_out:
@@ -278,7 +381,11 @@ class Runner:
     def _spawn(self) -> subprocess.Popen[bytes]:
         program = self.argv[0]
         try:
-            return subprocess.Popen(self.argv, preexec_fn=_die_with_parent())
+            return subprocess.Popen(
+                self.argv,
+                preexec_fn=_die_with_parent(),
+                process_group=0 if self.own_group else None,
+            )
         except FileNotFoundError:
             raise CommandNotStartedError(
                 f"command not found: {program}", EXIT_NOT_FOUND
@@ -293,29 +400,69 @@ class Runner:
             ) from None
 
     def _wait(self, child: subprocess.Popen[bytes]) -> int:
+        """Wait for the child, then for the rest of its group; return its status.
+
+        Wakes at least every ``WAKE`` seconds for the deadlines: ``max_hold``, and
+        the SIGKILL due ``kill_after`` a SIGTERM of the wrapper's own (the lease
+        lost is noticed on the watchdog's thread).
+        """
         deadline = math.inf if self.max_hold is None else _clock() + self.max_hold
+        status: int | None = None
         while True:
-            left = deadline - _clock()
-            try:
-                code = child.wait(None if math.isinf(left) else max(left, 0.0))
-            except subprocess.TimeoutExpired:
-                if not self.timed_out:
-                    self.timed_out = True
-                    logger.warning(
-                        "redlock run %r: the command ran past --max-hold=%gs; sending "
-                        "SIGTERM to %s (pid %d), the lock is held until it exits "
-                        "(exit status %d)",
-                        self.lock.resource,
-                        self.max_hold,
-                        self.argv[0],
-                        child.pid,
-                        EXIT_MAX_HOLD,
-                    )
-                    _signal(child, signal.SIGTERM)
-                deadline = math.inf
-                continue
-            # Killed by signal N: negative N from Popen, 128+N from a shell.
-            return 128 - code if code < 0 else code
+            now = _clock()
+            if now >= deadline and not self.timed_out:
+                self.timed_out = True
+                logger.warning(
+                    "redlock run %r: the command ran past --max-hold=%gs; sending "
+                    "SIGTERM to %s (pid %d), the lock is held until it exits "
+                    "(exit status %d)",
+                    self.lock.resource,
+                    self.max_hold,
+                    self.argv[0],
+                    child.pid,
+                    EXIT_MAX_HOLD,
+                )
+                self._terminate()
+            if now >= self._kill_at:
+                self._kill_at = math.inf
+                logger.error(
+                    "redlock run %r: %s (pid %d) still runs %gs after SIGTERM; "
+                    "sending SIGKILL",
+                    self.lock.resource,
+                    self.argv[0],
+                    child.pid,
+                    self.kill_after,
+                )
+                self._signal(signal.SIGKILL)
+            left = min(deadline if not self.timed_out else math.inf, self._kill_at)
+            pause = max(0.0, min(left - _clock(), WAKE))
+            if status is None:
+                try:
+                    code = child.wait(pause)
+                except subprocess.TimeoutExpired:
+                    continue
+                # Killed by signal N: negative N from Popen, 128+N from a shell.
+                status = 128 - code if code < 0 else code
+                pause = 0.0
+            if not (self.own_group and _group_alive(child.pid)):
+                return status
+            time.sleep(min(pause, POLL) if pause else POLL)
+
+    def _terminate(self) -> None:
+        """SIGTERM the job; SIGKILL follows after ``kill_after`` if it still runs."""
+        self._signal(signal.SIGTERM)
+        self._kill_at = min(self._kill_at, _clock() + self.kill_after)
+
+    def _signal(self, signum: int) -> None:
+        """Send ``signum`` to the job: the child's group, or the child alone."""
+        child = self.child
+        if child is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            if self.own_group:
+                os.killpg(child.pid, signum)
+            elif child.returncode is None:
+                child.send_signal(signum)
 
     def _release(self) -> None:
         try:
@@ -333,18 +480,20 @@ class Runner:
 
     # Signals: forwarded to the child, and the lease lost.
 
-    def _install_handlers(self) -> dict[int, Any]:
-        previous: dict[int, Any] = {}
+    def install_handlers(self, previous: dict[int, Any]) -> None:
+        """Catch the forwarded signals; note the handlers they replace in
+        ``previous`` one by one (a signal may come half-way)."""
         for signum in FORWARDED_SIGNALS:
             previous[signum] = signal.signal(signum, self._forward)
-        return previous
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
-        child = self.child
-        if child is None:
+        if self.waiting:
+            self.waiting = False  # once: the wait's clean-up is not cut short
+            raise _Interrupted(signum)
+        if self.child is None:
             self._pending.append(signum)
         else:
-            _signal(child, signum)
+            self._signal(signum)
 
     def _on_lost(self, sender: type, lock: Redlock, reason: str, **kwargs: Any) -> None:
         """``lock_lost`` receiver (the watchdog's thread): stop the child."""
@@ -352,7 +501,7 @@ class Runner:
             return
         self.lost = reason
         child = self.child
-        if child is None or child.poll() is not None:
+        if child is None:
             return
         logger.error(
             "redlock run %r: lost the lock (%s); another run may start now, so "
@@ -363,7 +512,7 @@ class Runner:
             child.pid,
             EXIT_LOST,
         )
-        _signal(child, signal.SIGTERM)
+        self._terminate()
 
 
 def seconds_type(*, allow_zero: bool = False) -> Callable[[str], float]:
@@ -387,9 +536,27 @@ def seconds_type(*, allow_zero: bool = False) -> Callable[[str], float]:
     return parse
 
 
-def _signal(child: subprocess.Popen[bytes], signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        child.send_signal(signum)
+def _on_terminal() -> bool:
+    """Whether the wrapper runs in its terminal's foreground process group."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a process; reaps those that are
+    the wrapper's children (it may have inherited them)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-pgid, os.WNOHANG)[0]:
+            pass
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _die_with_parent() -> Callable[[], None] | None:

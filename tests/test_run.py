@@ -8,6 +8,7 @@ come from outside: signals to the wrapper, SIGKILL, SIGSTOP of a majority of nod
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import os
@@ -24,6 +25,7 @@ from django.core.management import CommandError, call_command
 
 from harness.held import held_on
 from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
 from redlock_django import Redlock
 from redlock_django.runner import (
     EXIT_ALREADY_RUNNING,
@@ -40,18 +42,18 @@ TIMEOUT = 30.0
 RESOURCE = "cron:job"
 
 
-@pytest.fixture
-def env(tmp_path: Path, nodes: NodeSet) -> dict[str, str]:
-    """The environment of a ``python -m django`` process using the test nodes."""
+def _env(tmp_path: Path, urls: list[str], **extra: object) -> dict[str, str]:
+    """The environment of a ``python -m django`` process using nodes ``urls``."""
     settings_dir = tmp_path / "settings"
-    settings_dir.mkdir()
+    settings_dir.mkdir(parents=True)
     config = {
-        "NODES": nodes.urls,
+        "NODES": urls,
         "TTL": 10.0,
         # Three Django processes and five servers share two cores.
         "NODE_TIMEOUT": 0.2,
         "RETRY_DELAY": 0.02,
         "RETRY_JITTER": 0.02,
+        **extra,
     }
     (settings_dir / "run_settings.py").write_text(
         f"from tests.settings import *  # noqa: F403\n\nREDLOCK = {config!r}\n"
@@ -62,6 +64,12 @@ def env(tmp_path: Path, nodes: NodeSet) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(filter(None, path)),
         DJANGO_SETTINGS_MODULE="run_settings",
     )
+
+
+@pytest.fixture
+def env(tmp_path: Path, nodes: NodeSet) -> dict[str, str]:
+    """The environment of a ``python -m django`` process using the test nodes."""
+    return _env(tmp_path, nodes.urls)
 
 
 @pytest.fixture
@@ -79,6 +87,8 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
     yield started
     for process in started:
         if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
             process.kill()
             process.wait()
 
@@ -87,12 +97,13 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
 def start(
     env: dict[str, str], processes: list[subprocess.Popen[str]]
 ) -> Callable[..., subprocess.Popen[str]]:
-    """Return ``start(*args)``: run ``python -m django *args`` in the background."""
+    """Return ``start(*args)``: run ``python -m django *args`` in the background
+    (with ``environ=``, in that environment)."""
 
-    def spawn(*args: str) -> subprocess.Popen[str]:
+    def spawn(*args: str, environ: dict[str, str] | None = None) -> Any:
         process = subprocess.Popen(
             [sys.executable, "-m", "django", *args],
-            env=env,
+            env=environ or env,
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -509,3 +520,185 @@ def test_a_singleton_command_sees_a_lost_lease_and_ends_with_125(
         call(Frozen(), str(work))
     assert info.value.returncode == EXIT_LOST
     assert seen == [False, True]
+
+
+# A job as cron runs it: a shell line, the real work the shell's child.
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def sh_job(work: Path) -> list[str]:
+    """``sh -c 'real-work; echo finished'``: the work runs as the shell's child."""
+    job = f"{sys.executable} {CHILD[1]} trap {work} >/dev/null 2>&1; echo finished"
+    return ["sh", "-c", job]
+
+
+def test_a_signal_to_the_wrapper_stops_a_shell_lines_work_before_the_lock_is_free(
+    start: Callable[..., subprocess.Popen[str]], work: Path, nodes: NodeSet
+) -> None:
+    """SIGTERM to the wrapper of ``sh -c 'work; echo finished'``: it went to the
+    shell alone, the shell died, the lock was released, and the work ran on
+    unlocked (never signalled) while a second run took the lock. The job is
+    now the child's process group: the work gets the SIGTERM too, and the lock
+    is held until it has exited."""
+    first = start("redlock", "run", RESOURCE, "--", *sh_job(work))
+    wait_for((work / "ready").exists)
+    job = int((work / "ready").read_text())
+    try:
+        first.send_signal(signal.SIGTERM)
+        first.wait(TIMEOUT)
+        still_running = alive(job)
+        second = finish(start("redlock", "run", RESOURCE, "--", "true"))
+        assert not still_running, (
+            f"the work (pid {job}) still runs ({lines(work / 'signals')}) after its "
+            f"wrapper exited; a second run exited {second[0]}"
+        )
+        assert lines(work / "signals") == ["SIGTERM"]
+    finally:
+        if alive(job):
+            os.kill(job, signal.SIGKILL)
+
+
+def test_a_lost_lease_stops_the_whole_job_not_just_its_shell(
+    start: Callable[..., subprocess.Popen[str]], work: Path, nodes: NodeSet
+) -> None:
+    """Lease lost under ``sh -c``: only the shell got SIGTERM; the wrapper exited
+    125 and the work kept running without the lock."""
+    first = start("redlock", "run", RESOURCE, "--ttl", "1.5", "--", *sh_job(work))
+    wait_for((work / "ready").exists)
+    job = int((work / "ready").read_text())
+    try:
+        for node in nodes[:3]:
+            node.pause()
+        assert first.wait(TIMEOUT) == EXIT_LOST
+        nodes.resume_all()
+        assert (alive(job), lines(work / "signals")) == (False, ["SIGTERM"])
+    finally:
+        nodes.resume_all()
+        if alive(job):
+            os.kill(job, signal.SIGKILL)
+
+
+IGNORES_SIGTERM = (
+    "import pathlib, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "pathlib.Path(sys.argv[1], 'ready').write_text('x')\n"
+    "time.sleep(float(sys.argv[2]))\n"
+)
+
+
+def test_a_job_ignoring_sigterm_after_a_lost_lease_gets_sigkill(
+    start: Callable[..., subprocess.Popen[str]], work: Path, nodes: NodeSet
+) -> None:
+    """Lease lost, SIGTERM ignored: the wrapper waited for the job however long
+    it ran (25 s here), unlocked all that time. ``--kill-after 2`` sends SIGKILL
+    two seconds after the SIGTERM."""
+    ttl, runs_for = 1.5, 25.0
+    first = start(
+        "redlock", "run", RESOURCE, "--ttl", str(ttl), "--kill-after", "2", "--",
+        sys.executable, "-c", IGNORES_SIGTERM, str(work), str(runs_for),
+    )  # fmt: skip
+    wait_for((work / "ready").exists)
+    for node in nodes[:3]:
+        node.pause()
+    paused = time.monotonic()
+    try:
+        _, err = first.communicate(timeout=runs_for + TIMEOUT)
+    finally:
+        nodes.resume_all()
+    took = time.monotonic() - paused
+    assert first.returncode == EXIT_LOST, err
+    assert "lost the lock" in err and "sending SIGKILL" in err, err
+    assert took < ttl + 2 + 8.0, f"the wrapper waited {took:.1f}s"
+
+
+def test_ctrl_c_while_waiting_for_the_lock_ends_the_wait_without_a_traceback(
+    start: Callable[..., subprocess.Popen[str]],
+    nodes: NodeSet,
+    work: Path,
+    redlock_settings: dict[str, Any],
+) -> None:
+    """SIGINT during ``--wait``: a KeyboardInterrupt traceback (SIGTERM killed the
+    wrapper silently). Now the wait ends: not started, one line, 128+N, and the
+    waiter holds nothing."""
+    holder = Redlock(RESOURCE, ttl=120)
+    assert holder.acquire(blocking=False)
+    try:
+        watcher = nodes[0].client()
+        before = int(watcher.info("clients")["connected_clients"])
+        waiting = start(
+            "redlock", "run", RESOURCE, "--wait", "60", "--", *CHILD, "count",
+            str(work),
+        )  # fmt: skip
+        wait_for(lambda: int(watcher.info("clients")["connected_clients"]) > before)
+        time.sleep(0.5)  # waiting for the lock now
+        assert waiting.poll() is None
+        waiting.send_signal(signal.SIGINT)
+        code, _, err = finish(waiting)
+        watcher.close()
+        assert "Traceback" not in err, err
+        assert code == 128 + signal.SIGINT, err
+        assert "SIGINT while waiting for" in err, err
+        assert not (work / "runs").exists()
+        assert holder.owned()
+    finally:
+        holder.release()
+
+
+def test_runs_started_together_during_a_split_vote_run_the_job_once(
+    start: Callable[..., subprocess.Popen[str]],
+    tmp_path: Path,
+    nodes: NodeSet,
+    work: Path,
+) -> None:
+    """Two servers' crontabs start the job at the same minute while one node of
+    five is down. Each server's acquisition reaches two nodes before the other's
+    (held back there by a proxy per server and node): 2 of 5 each. With the
+    default ``--wait 0`` both made their single attempt and exited 75 "already
+    running", though nobody held the lock: the job did not run at all. A refusal
+    while nobody holds the lock is now tried again: one of them runs it."""
+    # Only the acquisition carries the label (the command line) to the nodes.
+    acquire = b"_run_child.py count"
+    nodes[4].stop()
+    # A long NODE_TIMEOUT: the held requests are let go once both servers sent.
+    config = {"TTL": 300.0, "NODE_TIMEOUT": 15.0}
+    proxies: list[FaultProxy] = []
+    held: list[FaultProxy] = []
+    environs = []
+    try:
+        for name, slow in (("a", (2, 3)), ("b", (0, 1))):
+            mine = [FaultProxy(node.port).start() for node in nodes]
+            proxies += mine
+            for i in slow:
+                mine[i].hold_request(acquire)
+                # Its reply waits too: neither server learns it lost (and cleans
+                # up) before the other's late request has run.
+                mine[i].hold_reply_to(acquire)
+                held.append(mine[i])
+            environs.append(_env(tmp_path / name, [p.url for p in mine], **config))
+        job = [*CHILD, "count", str(work)]
+        runs = [
+            start("redlock", "run", RESOURCE, "--", *job, environ=environ)
+            for environ in environs
+        ]
+        for proxy in held:
+            assert proxy.wait_for_held(timeout=TIMEOUT)
+        for proxy in held:
+            proxy.deliver_held()
+        for proxy in held:
+            proxy.release_held_replies()
+        results = [finish(run) for run in runs]
+    finally:
+        for proxy in proxies:
+            proxy.close()
+        nodes.start_all()
+    codes = sorted(code for code, _, _ in results)
+    assert len(lines(work / "runs")) == 1, (codes, [err for _, _, err in results])
+    assert codes == [0, EXIT_ALREADY_RUNNING], codes
