@@ -252,8 +252,35 @@ def reset() -> None:
         for pool in pools:
             pool.disconnect()
     for loop, per_loop in loops:
-        if loop.is_closed():  # those of a live loop close with their loop's help
+        if loop.is_closed():
             _close_without_loop(per_loop)
+        else:  # closed on their own loop, at its next turn (from any thread)
+            with contextlib.suppress(RuntimeError):  # closed since
+                loop.call_soon_threadsafe(_close_on_loop, per_loop)
+
+
+#: Closings under way on live loops, kept from being garbage-collected.
+_closing: set[asyncio.Future[None]] = set()
+
+
+def _close_on_loop(
+    per_loop: dict[tuple[Any, ...], tuple[redis.asyncio.Redis, ...]],
+) -> None:
+    """Close the idle connections of a live loop's forgotten clients.
+
+    Connections in use finish their call; they go back to a pool nobody takes
+    from and close when collected.
+    """
+
+    async def close() -> None:
+        for clients in per_loop.values():
+            for client in clients:
+                with contextlib.suppress(Exception):
+                    await client.connection_pool.disconnect(inuse_connections=False)
+
+    task = asyncio.ensure_future(close())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
 
 
 def _on_setting_changed(*, setting: str, **kwargs: object) -> None:

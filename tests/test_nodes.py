@@ -179,3 +179,46 @@ def test_the_connections_of_a_closed_event_loop_are_closed_not_kept(
     assert after <= before, f"{after - before} more connections after 20 event loops"
     assert len(node_pools._async) <= 1
     assert ignored == []
+
+
+def test_a_settings_change_closes_the_idle_connections_of_a_running_loop(
+    settings: Any, redlock_settings: dict[str, Any], make_nodes: Any
+) -> None:
+    """A settings change (``nodes.reset()``) forgot a running loop's clients
+    without closing them: their sockets stayed open until the garbage collector
+    found them, each with an "unclosed Connection" warning. They are closed on
+    their loop now."""
+    import asyncio
+    import gc
+    import warnings
+
+    fresh = make_nodes(3)
+
+    def open_connections() -> int:
+        with fresh[0].client() as client:
+            me = client.client_id()
+            return sum(1 for c in client.client_list() if int(c["id"]) != me)
+
+    counts: dict[str, int] = {}
+
+    async def main() -> None:
+        lock = Redlock("settings-changed", nodes=fresh.urls)
+        assert await lock.aacquire(blocking=False)
+        await lock.arelease()
+        counts["before"] = open_connections()
+        settings.REDLOCK = {**redlock_settings, "TTL": 9.0}
+        await asyncio.sleep(0.5)
+        counts["after"] = open_connections()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gc.collect()
+        counts["unclosed"] = sum("unclosed" in str(w.message) for w in caught)
+
+    gc.collect()
+    gc.disable()  # the collector would close them by chance, at any time
+    try:
+        asyncio.run(main())
+    finally:
+        gc.enable()
+    assert counts["before"] >= 1, counts
+    assert counts["after"] == 0 and counts["unclosed"] == 0, counts
