@@ -73,6 +73,7 @@ from loadtests.demo import (
 from loadtests.observers import Prober, Sampler
 from loadtests.verdict import (
     Fault,
+    check_run,
     check_sale,
     format_report,
     restart_delay,
@@ -122,6 +123,8 @@ class Chaos:
         self.run_seconds = 0.0
         self.progress = Progress()
         self.steps: list[Step] = []
+        #: How many scheduled faults ran while Locust ran (the rest at clean-up).
+        self.under_load = 0
         self.delay = 0.0 if args.restart_immediately else restart_delay(args.ttl)
 
     def start_app_servers(self, product_id: int) -> None:
@@ -332,6 +335,7 @@ class Chaos:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(max(wait, 0.01))
         finally:
+            self.under_load = sum(step.done for step in steps)
             if process.poll() is None:
                 self.stage.children.stop(process)
             self.sampler.stop.set()
@@ -474,6 +478,16 @@ class Chaos:
             double_clicks=int(summary.get("double_clicks") or 0),
             server_errors=errors,
             verify_exit_code=verify_code,
+        )
+        checks += check_run(
+            duration=float(args.duration),
+            ran=self.run_seconds,
+            scheduled=len(self.steps),
+            under_load=self.under_load,
+            rule_broken=any(
+                "rule" in f.detail and "BROKEN" in f.detail for f in self.faults
+            ),
+            on_purpose=args.restart_immediately,
         )
         report = {
             "mode": "unsafe" if args.unsafe else "locked",

@@ -384,6 +384,11 @@ class Demo:
             )
         if locked.get("oversold") or locked.get("oversold") is None:
             problems.append(f"the LOCKED run oversold: {locked.get('oversold')}")
+        if not locked.get("orders"):
+            problems.append(
+                "the locked run sold nothing (are the lock's nodes up? "
+                "see its answers above)"
+            )
         if locked.get("verify_sale_exit_code") != 0:
             problems.append("manage.py verify_sale failed on the locked run")
         if locked.get("locust_exit_code") != 0:

@@ -58,10 +58,15 @@ HOLD_ORDER = (
 def read_records(
     directory: Path, product_id: int | None = None
 ) -> list[dict[str, Any]]:
-    """Return every record under ``directory`` (optionally for one product)."""
+    """Return every record under ``directory`` (optionally for one product).
+
+    A last line without its newline is a record still being written, or cut
+    short by a killed worker: it is left out.
+    """
     records: list[dict[str, Any]] = []
     for path in sorted(directory.glob("timings-*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for line in text.split("\n")[:-1]:  # the part after the last newline: torn
             if not line.strip():
                 continue
             record = json.loads(line)

@@ -429,6 +429,10 @@ def summarize(environment: Environment) -> dict[str, Any]:
                     "oversold: raise the users or SHOP_WORK_MS to show the race"
                 )
         else:
+            if not orders:
+                # Every purchase refused (no quorum, a lock never granted) or
+                # failed: the invariants below hold of an untouched sale.
+                problems.append("nothing was sold: no purchase succeeded")
             if audit["oversold"]:
                 problems.append(f"OVERSOLD {audit['oversold']} units")
             if audit["stock"] < 0:

@@ -60,6 +60,9 @@ def check_sale(
     duplicates = int(audit["duplicate_customers"])
     oversold = int(audit["oversold"])
     checks = [
+        # An empty sale keeps every invariant below: it tested nothing (every
+        # request refused, or none reached the shop).
+        Check("the sale sold something", orders > 0, f"{orders} orders"),
         Check("sold <= stock", sold <= initial, f"{sold} sold of {initial}"),
         Check("remaining stock >= 0", stock >= 0, f"{stock} left"),
         Check(
@@ -101,13 +104,58 @@ def check_sale(
     return checks
 
 
+#: Outcome kinds (``loadtests/locustfile.py``) of an answer whose body is not the
+#: view's JSON: unexpected whatever its status.
+NOT_THE_VIEWS_ANSWER = ("non-json", "no-error-field")
+#: A run shorter than this share of ``--duration`` ended early (Locust stopped).
+RUN_SHARE = 0.9
+
+
 def server_errors(outcomes: dict[str, int]) -> dict[str, int]:
-    """Return the outcomes that are HTTP errors a sale does not expect (5xx...)."""
+    """Return the outcomes that are HTTP errors a sale does not expect: any status
+    but 201/409/423/503, and any answer without the view's JSON reason."""
     return {
         kind: count
         for kind, count in outcomes.items()
-        if kind[:3].isdigit() and kind[:3] not in EXPECTED_STATUSES
+        if kind[:3].isdigit()
+        and (kind[:3] not in EXPECTED_STATUSES or kind.endswith(NOT_THE_VIEWS_ANSWER))
     }
+
+
+def check_run(
+    *,
+    duration: float,
+    ran: float,
+    scheduled: int,
+    under_load: int,
+    rule_broken: bool,
+    on_purpose: bool,
+) -> list[Check]:
+    """Return whether the run did what its report says: Locust ran for about its
+    ``duration`` (it ``ran`` that long), every one of the ``scheduled`` faults was
+    injected while it ran (``under_load`` were), and no node came back before the
+    delayed-restart rule allowed (unless broken ``on_purpose``)."""
+    checks = [
+        Check(
+            "Locust ran its whole duration",
+            ran >= RUN_SHARE * duration,
+            f"{ran:.1f} s of {duration:g} s",
+        ),
+        Check(
+            "every fault injected under load",
+            under_load == scheduled,
+            f"{under_load} of {scheduled}",
+        ),
+    ]
+    if not on_purpose:
+        checks.append(
+            Check(
+                "delayed-restart rule kept",
+                not rule_broken,
+                "broken: a killed node came back early" if rule_broken else "kept",
+            )
+        )
+    return checks
 
 
 @dataclass
