@@ -318,8 +318,7 @@ class Guard:
                     "distributed_lock's blocking path; make it an async def view"
                 )
         except BaseException:
-            # Nothing the view did will commit: release now.
-            held.release(raised=True)
+            held.release_after_raise()
             raise
         finally:
             _set_redlock(request, previous)

@@ -10,15 +10,24 @@ the response is closed (after the handler's transaction has ended). A COMMIT
 that fails (a deferred constraint, a serialization failure) drops that response
 for a 500: then ``request_finished``, sent on the view's thread when the 500
 closes, releases, unless the transaction the lock waits for is still open.
-Whichever comes first releases, exactly once. When the view raises, the lock is
-released at once: its transaction rolls back. The lock covers the view call, not
+Whichever comes first releases, exactly once. When the view raises outside any
+transaction, or outside a request (a view called directly), the lock is released
+at once. Raising inside a request's transaction, it waits for that transaction's
+commit as well: a layer inside the transaction may turn the exception into a
+response (an error-handling decorator or mixin, Django's own 404) and the
+transaction then commits what the view wrote. It is released at that commit, or
+at ``request_finished`` after a rollback. The response's closer pickles to
+nothing, so a cached response (``cache_page``) is stored without it. The lock
+covers the view call, not
 the streaming of a ``StreamingHttpResponse``'s content after it. A blocking lock
 is owned by the view's thread, which is where Django's WSGI and ASGI handlers
 close responses; a response closed on another thread (Django's test
 ``AsyncClient`` does that) cannot release, and a WARNING says the lock is left
-to its lease. Async views cannot run inside ``atomic()``, so they release when
-they return, raise, or are cancelled (Django cancels the view's task when an
-ASGI client disconnects).
+to its lease. Async views release when they return, raise, or are cancelled
+(Django cancels the view's task when an ASGI client disconnects): Django refuses
+them under ``ATOMIC_REQUESTS``, but an ``atomic()`` opened by a sync middleware
+around an async view is not waited for (the lock is owned by the view's task,
+which ends before that transaction does): keep such views out of transactions.
 
 A lease lost while the view ran (it outlived ``ttl``) is logged at ERROR with the
 resource, the time held and the TTL, and the response is still returned: by then
@@ -36,7 +45,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.core.signals import request_finished
+from django.core.signals import request_finished, request_started
 from django.db import connections, transaction
 
 from .exceptions import LockLostError, LockNotOwnedError
@@ -63,25 +72,59 @@ def _thread_holds() -> list[Held]:
     return holds
 
 
+def _in_request() -> bool:
+    """Whether this thread runs a request Django's handler will finish
+    (``request_started`` sent, ``request_finished`` not yet)."""
+    return bool(getattr(_waiting_holds, "requests", 0))
+
+
+def _started(sender: object, **kwargs: Any) -> None:
+    _waiting_holds.requests = getattr(_waiting_holds, "requests", 0) + 1
+
+
 def _release_when_finished(sender: object, **kwargs: Any) -> None:
     """Release this thread's holds whose transactions ended without committing.
 
     A failed COMMIT (a deferred constraint, a serialization failure) makes Django
     drop the view's response, closer included, and serve a 500; a rollback drops
     the on-commit callbacks. Django's handlers send ``request_finished`` on the
-    view's thread when the response that was served closes.
+    view's thread when the response that was served closes. A hold whose view
+    raised has no closer: the request's end releases it whatever is still open
+    (a test's own transaction).
     """
+    _waiting_holds.requests = max(0, getattr(_waiting_holds, "requests", 0) - 1)
     holds = getattr(_waiting_holds, "holds", None)
     if not holds:
         return
     for held in list(holds):
-        if not held.may_still_commit():
-            held.release()
+        if held.raised or not held.may_still_commit():
+            held.release(raised=held.raised)
 
 
+request_started.connect(_started, dispatch_uid=f"{__name__}._started")
 request_finished.connect(
     _release_when_finished, dispatch_uid=f"{__name__}._release_when_finished"
 )
+
+
+def _noop() -> None:
+    """What a release closer is once pickled: the copy has nothing to release."""
+
+
+class _Closer:
+    """The release put on a response's closers; pickles to ``_noop``, so a cached
+    response (``cache_page``, the per-site cache) is stored without the hold."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, held: Held) -> None:
+        self._held = held
+
+    def __call__(self) -> None:
+        self._held.release()
+
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        return (_noop, ())
 
 
 class Held:
@@ -99,6 +142,9 @@ class Held:
         self._waiting: set[str] = set()
         #: The on-commit callback registered on each database alias.
         self._callbacks: dict[str, Callable[[], None]] = {}
+        #: The view raised: released at its transaction's commit or the request's
+        #: end, whichever comes first.
+        self.raised = False
 
     def _claim(self) -> bool:
         with self._mutex:
@@ -175,21 +221,37 @@ class Held:
         except Exception as exc:
             self._log_failure(exc, raised)
 
-    def release_after_commit(self, response: object) -> None:
-        """Release after the open transactions commit, or when ``response`` closes."""
+    def _wait_for_commit(self) -> bool:
+        """Release when the open transactions commit; say whether any is open."""
         aliases = [
             connection.alias
             for connection in connections.all(initialized_only=True)
             if connection.in_atomic_block
         ]
         if not aliases:
-            self.release()
-            return
+            return False
         self._waiting = set(aliases)
         for alias in aliases:
             callback = functools.partial(self._committed, alias)
             self._callbacks[alias] = callback
             transaction.on_commit(callback, using=alias)
+        return True
+
+    def release_after_raise(self) -> None:
+        """The view raised: release now, unless a request's transaction is open
+        (a layer inside it may answer for the exception and commit the view's
+        writes): then at its commit, or at the request's end."""
+        if not _in_request() or not self._wait_for_commit():
+            self.release(raised=True)
+            return
+        self.raised = True
+        _thread_holds().append(self)
+
+    def release_after_commit(self, response: object) -> None:
+        """Release after the open transactions commit, or when ``response`` closes."""
+        if not self._wait_for_commit():
+            self.release()
+            return
         # On rollback the on-commit callbacks are dropped; the handler closes the
         # response after its transaction has ended, whichever way it ended. When
         # the COMMIT itself fails, that response is dropped for a 500, whose
@@ -197,7 +259,7 @@ class Held:
         _thread_holds().append(self)
         closers = getattr(response, "_resource_closers", None)
         if isinstance(closers, list):
-            closers.append(self.release)
+            closers.append(_Closer(self))
         else:
             logger.warning(
                 "redlock %r: view %s returned %r, which has no closer; after a "
@@ -226,4 +288,4 @@ class Held:
             self._waiting.discard(alias)
             ready = not self._waiting
         if ready:
-            self.release()
+            self.release(raised=self.raised)
