@@ -184,6 +184,13 @@ class Redlock:
             fencing_token=grant.fencing_token,
         )
         hold = Hold(lease=lease, config=config, lock=self)
+        earlier = holds.find(owner, config.identity)
+        if earlier is not None:
+            # A non-reentrant acquisition won over this owner's own hold: the nodes
+            # no longer held it, so it was lost. Its release then says so.
+            if earlier.lease.lost is None:
+                earlier.lease.lost = "a later acquisition by its owner won the nodes"
+            holds.replace(owner, earlier, self.resource, Redlock)
         holds.put(owner, config.identity, hold)
         if config.auto_extend:
             hold.watchdog = Watchdog(hold, owner, Redlock)
@@ -389,7 +396,17 @@ class Redlock:
         config = hold.config
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         start = _clock()
-        outcome = sync.run(flow, pools, config.node_timeout)
+        try:
+            outcome = sync.run(flow, pools, config.node_timeout)
+        except BaseException:
+            # Interrupted (a signal handler raised: a Celery soft time limit,
+            # KeyboardInterrupt) while the release may already have run on the
+            # nodes: the hold is no longer trusted, so the owner's next
+            # acquisition asks the nodes instead of re-entering it. A release
+            # called again still releases what is left (LockLostError after).
+            if hold.lease.lost is None:
+                hold.lease.lost = "its release was interrupted"
+            raise
         self._finish_release(owner, hold, outcome, _clock() - start)
 
     def extend(self, ttl: float | None = None) -> bool:

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ from kombu.transport import redis as kombu_redis
 from harness.held import held_on
 from harness.nodes import NodeSet, RedisNode
 from harness.processes import REPO, Children, log_tail
+from harness.proxy import FaultProxy
 from redlock_django import LockContentionError, Redlock
 from redlock_django.contrib.celery import RedlockTask, task_label
 from redlock_django.functions import MAX_LABEL_LENGTH, current_lock
@@ -655,3 +657,177 @@ def test_lock_nodes_given_as_one_url_string_is_refused_when_the_task_is_made(
             base=RedlockTask, lock="x:{a}", lock_nodes=nodes.urls[0], shared=False
         )
         def job(a: int) -> None: ...
+
+
+# Interruptions. Found by an adversarial review (each test failed on the code
+# before its fix): a soft time limit firing while the body's lock was being
+# released left the pool child trusting its old hold, so its next task on that
+# resource re-entered it without asking the nodes and ran beside another owner;
+# a task id too long for the 200-character label kept a SIGKILLed task's lock
+# for its whole lease; a "retry" task given lock_timeout was refused naming the
+# "raise" policy.
+
+
+#: A request chunk carrying the plain release script (sent as EVAL: critical).
+RELEASE_MATCH = b"local heard = redis.pcall('publish', KEYS[1], ARGV[2])"
+
+
+@contextlib.contextmanager
+def proxies_for(nodes: NodeSet) -> Iterator[list[FaultProxy]]:
+    started = [FaultProxy(node.port).start() for node in nodes]
+    try:
+        yield started
+    finally:
+        for proxy in started:
+            proxy.close()
+
+
+@pytest.fixture
+def proxied_worker(
+    broker: RedisNode,
+    nodes: NodeSet,
+    redlock_settings: dict[str, Any],
+    tmp_path: Path,
+) -> Iterator[tuple[Worker, list[FaultProxy], str]]:
+    """One single-process worker whose lock nodes are reached through proxies."""
+    point_app_at(broker)
+    queue = unique("proxied")
+    children = Children()
+    with proxies_for(nodes) as proxies:
+        try:
+            [worker] = start_workers(
+                children,
+                tmp_path,
+                broker,
+                SimpleNamespace(urls=[p.url for p in proxies]),  # type: ignore[arg-type]
+                ["proxied"],
+                queue=queue,
+                concurrency=1,
+            )
+            yield worker, proxies, queue
+        finally:
+            children.stop_all()
+
+
+def test_soft_time_limit_during_release_never_lets_the_next_task_skip_the_lock(
+    proxied_worker: tuple[Worker, list[FaultProxy], str],
+    nodes: NodeSet,
+    counts: redis.Redis,
+    hold: Callable[..., Redlock],
+) -> None:
+    """A soft time limit that fires while the body's lock is being released (slow
+    replies from the nodes) must not leave the pool child believing it still holds
+    the lock: its next task on the same resource must wait for the holder.
+
+    The release commands reach the nodes, so the lock is free there; another
+    owner takes it. The next run of the task in the same child must then wait
+    (policy "wait"), not run beside that owner.
+    """
+    _worker, proxies, queue = proxied_worker
+    name = unique("softrel")
+    resource = f"slow:{name}"
+    for proxy in proxies:
+        proxy.hold_reply_to(RELEASE_MATCH)
+    # Body 0.7 s, soft limit 1.0 s: the limit fires while the release waits
+    # NODE_TIMEOUT (0.5 s) for the held replies.
+    first = tasks.slow.apply_async((name, 0.7), queue=queue, soft_time_limit=1.0)
+    first.get(timeout=30, propagate=False)
+    for proxy in proxies:
+        proxy.release_held_replies()
+    assert first.state == "FAILURE", first.state
+    assert "SoftTimeLimitExceeded" in (first.traceback or "")
+    # The release did run on the nodes: the lock is free there.
+    assert held_on(nodes, resource) == 0
+    # Another owner (this test) takes it, for 30 s.
+    hold(resource, ttl=30)
+    before = len(runs(counts, name))
+    second = tasks.slow.apply_async((name, 0.2), queue=queue)
+    time.sleep(3.0)
+    started = len(runs(counts, name)) - before
+    second.revoke(terminate=True, signal="SIGKILL")
+    assert started == 0, (
+        f"the task body ran {started}x while another owner held {resource!r} "
+        f"on {held_on(nodes, resource)}/5 nodes"
+    )
+
+
+@pytest.mark.parametrize("long_id", [False, True], ids=["uuid-id", "long-id"])
+def test_revoke_terminate_frees_the_lock_of_a_task_with_a_long_id(
+    proxied_worker: tuple[Worker, list[FaultProxy], str],
+    nodes: NodeSet,
+    counts: redis.Redis,
+    long_id: bool,
+) -> None:
+    """``task_label`` promises to cut the name, never the id, because the main
+    process finds a killed task's lock by that label. A task id is any string
+    the sender picks (``apply_async(task_id=...)``); with a long one the lock's
+    label is cut to 200 characters anyway, the labels never match, and a
+    SIGKILLed body's lock stays held for its whole lease instead of being
+    released at once (as it is for a uuid id)."""
+    _worker, _proxies, queue = proxied_worker
+    name = unique("longid")
+    resource = f"slow:{name}"
+    task_id = "nightly-export-" + "x" * 220 if long_id else str(uuid.uuid4())
+    result = tasks.slow.apply_async((name, 30), queue=queue, task_id=task_id)
+    wait_for(lambda: runs(counts, name), 15, "the task to start")
+    assert held_on(nodes, resource) >= 3
+    result.revoke(terminate=True, signal="SIGKILL")
+    wait_for(lambda: result.state == "REVOKED", 10, "the REVOKED state")
+    start = time.monotonic()
+    deadline = start + 4.0
+    while held_on(nodes, resource) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    elapsed = time.monotonic() - start
+    assert held_on(nodes, resource) == 0, (
+        f"lock of the SIGKILLed task still held on {held_on(nodes, resource)}/5 "
+        f"nodes {elapsed:.1f}s after the revoke (lease 10 s)"
+    )
+
+
+def test_soft_time_limit_while_waiting_for_the_lock_leaves_nothing_behind(
+    proxied_worker: tuple[Worker, list[FaultProxy], str],
+    nodes: NodeSet,
+    counts: redis.Redis,
+    hold: Callable[..., Redlock],
+) -> None:
+    """Pins: a soft time limit that interrupts the wait ("wait" policy) ends the
+    task without running it, and the child's next run takes the lock normally."""
+    _worker, _proxies, queue = proxied_worker
+    name = unique("softwait")
+    resource = f"slow:{name}"
+    ours = hold(resource, ttl=30)
+    first = tasks.slow.apply_async((name, 0.1), queue=queue, soft_time_limit=1.0)
+    first.get(timeout=30, propagate=False)
+    assert "SoftTimeLimitExceeded" in (first.traceback or "")
+    assert runs(counts, name) == []
+    ours.release()
+    assert held_on(nodes, resource) == 0
+    second = tasks.slow.apply_async((name, 0.1), queue=queue)
+    assert second.get(timeout=30) == "done"
+    assert len(runs(counts, name)) == 1
+    assert held_on(nodes, resource) == 0
+
+
+def test_a_retry_task_given_lock_timeout_is_refused_naming_its_own_policy() -> None:
+    """``lock_timeout`` with ``lock_on_contention="retry"`` is refused when the task
+    is made (fine), but the message names a policy the user never wrote."""
+    from celery import Celery
+    from django.core.exceptions import ImproperlyConfigured
+
+    from redlock_django.contrib.celery import RedlockTask
+
+    app = Celery("review-retry-timeout", set_as_current=False)
+    app.finalize()
+    with pytest.raises(ImproperlyConfigured) as info:
+
+        @app.task(
+            base=RedlockTask,
+            lock="x:{a}",
+            lock_on_contention="retry",
+            lock_timeout=5,
+            shared=False,
+        )
+        def job(a: int) -> None: ...
+
+    assert "'raise'" not in str(info.value), str(info.value)
+    assert "retry" in str(info.value)

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,11 +23,12 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.core.management.base import BaseCommand, CommandParser
 
 from harness.held import held_on
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
-from redlock_django import Redlock
+from redlock_django import Redlock, SingletonCommandMixin
 from redlock_django.runner import (
     EXIT_ALREADY_RUNNING,
     EXIT_LOST,
@@ -702,3 +704,79 @@ def test_runs_started_together_during_a_split_vote_run_the_job_once(
     codes = sorted(code for code, _, _ in results)
     assert len(lines(work / "runs")) == 1, (codes, [err for _, _, err in results])
     assert codes == [0, EXIT_ALREADY_RUNNING], codes
+
+
+# SingletonCommandMixin, run again from its own handle(). Found by an adversarial
+# review: when the nodes had lost the outer run's lock, the nested run's fresh
+# hold overwrote the outer one; the outer release then raised a raw
+# LockNotOwnedError and left its watchdog thread running.
+
+
+class NestedJob(SingletonCommandMixin, BaseCommand):
+    """Runs itself again from ``handle()`` (``--depth 0``), as a job calling
+    ``call_command`` on itself would; ``--flush`` first makes every node lose its
+    data (a restart without persistence), so the outer run's lease is gone."""
+
+    lock_resource = "cmd:nested"
+    events: list[Any] = []
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--depth", type=int, default=0)
+        parser.add_argument("--flush", action="store_true")
+
+    def handle(self, *args: Any, depth: int, flush: bool, **options: Any) -> None:
+        if depth:
+            NestedJob.events.append("inner ran")
+            return
+        if flush:
+            for node in NestedJob.nodes:
+                with node.client() as client:
+                    client.flushall()
+        try:
+            call_command(NestedJob(), depth=1)
+        except CommandError as exc:
+            NestedJob.events.append(("inner refused", exc.returncode))
+        assert self.lock is not None
+        NestedJob.events.append(("outer lost", self.lock.lost))
+
+
+def watchdogs(resource: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.endswith(resource)]
+
+
+def test_a_nested_run_of_a_singleton_command_is_refused_with_75(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """Pins the re-entrancy answer: the nested run is refused at once, no deadlock."""
+    NestedJob.events, NestedJob.nodes = [], nodes
+    call_command(NestedJob())
+    assert NestedJob.events == [
+        ("inner refused", EXIT_ALREADY_RUNNING),
+        ("outer lost", False),
+    ]
+    assert held_on(nodes, "cmd:nested") == 0
+
+
+def test_an_outer_run_whose_lock_a_nested_run_retook_ends_with_125(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The nodes lose the outer run's lock; a nested run of the same command then
+    takes the lock afresh (reentrant=False: a hold of its own) and ends. The
+    outer run's lease was lost, so it must end like any lost lease: a
+    ``CommandError`` with returncode 125, its watchdog stopped. The nested
+    acquisition overwrote the outer hold in the owner's registry instead, so the
+    outer release raises a raw ``LockNotOwnedError`` and leaves its watchdog
+    thread running."""
+    NestedJob.events, NestedJob.nodes = [], nodes
+    try:
+        call_command(NestedJob(), flush=True)
+    except CommandError as exc:
+        outcome: Any = ("CommandError", exc.returncode)
+    except Exception as exc:
+        outcome = (type(exc).__name__, str(exc))
+    else:
+        outcome = "returned"
+    time.sleep(0.3)
+    leaked = watchdogs("cmd:nested")
+    assert NestedJob.events[0] == "inner ran"
+    assert (outcome, leaked) == (("CommandError", EXIT_LOST), [])

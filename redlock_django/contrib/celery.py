@@ -75,11 +75,13 @@ DEAD_HOLDER_WAIT = 2.0
 def task_label(name: str, task_id: str | None) -> str:
     """Return the admin label of a task's lock: ``celery <name> [<id>]``.
 
-    A long name is cut, never the id: the worker finds a killed task's lock by it.
+    A long name is cut before the id: the worker finds a killed task's lock by it.
+    An id too long for the label is cut too, at ``MAX_LABEL_LENGTH``, as the
+    stored label is (the dead-holder check also asks for the pid to be gone).
     """
     suffix = f" [{task_id or 'called directly'}]"
     room = max(0, MAX_LABEL_LENGTH - len("celery ") - len(suffix))
-    return f"celery {name[:room]}{suffix}"
+    return f"celery {name[:room]}{suffix}"[:MAX_LABEL_LENGTH]
 
 
 class RedlockTask(Task):  # type: ignore[misc]
@@ -156,6 +158,11 @@ def _function_lock_for(cls: type[RedlockTask]) -> FunctionLock | None:
         raise ImproperlyConfigured(
             f"task {cls.__name__}: lock_retry_countdown must be >= 0 seconds, "
             f"not {countdown!r}"
+        )
+    if cls.lock_timeout is not None and policy != "wait":
+        raise ImproperlyConfigured(
+            f"task {cls.__name__}: lock_timeout applies to "
+            f"lock_on_contention='wait' only, not {policy!r}"
         )
     return FunctionLock(
         func,
