@@ -100,8 +100,8 @@ class Children:
         self.processes.clear()
 
 
-def gunicorn_workers(master: int) -> list[int]:
-    """Return the pids of the worker processes of a gunicorn master (Linux)."""
+def children_of(parent: int) -> list[int]:
+    """Return the pids of the direct children of process ``parent`` (Linux)."""
     workers = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -111,9 +111,14 @@ def gunicorn_workers(master: int) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == master:  # fields: state, ppid, ...
+        if int(fields[1]) == parent:  # fields: state, ppid, ...
             workers.append(int(entry.name))
     return sorted(workers)
+
+
+def gunicorn_workers(master: int) -> list[int]:
+    """Return the pids of the worker processes of a gunicorn master (Linux)."""
+    return children_of(master)
 
 
 def log_tail(path: Path, lines: int = 15) -> str:

@@ -29,9 +29,9 @@ from django.views.decorators.cache import cache_page
 from django.views.decorators.csrf import csrf_exempt
 
 from harness.held import lock_key
-from redlock_django import Redlock
 from redlock_django.decorators import DistributedLockMixin, distributed_lock
 from tests.models import Counter
+from tests.test_decorator_release import _free_for_another_owner
 
 pytestmark = pytest.mark.urls(__name__)
 
@@ -42,22 +42,6 @@ TTL = 2.0
 GAP: list[tuple[bool, bool]] = []
 #: On PostgreSQL: the counter another connection saw at the probe.
 COMMITTED: list[int | None] = []
-
-
-def _free_for_another_owner(resource: str) -> bool:
-    """Try the lock once from a fresh thread (a fresh owner); release if taken."""
-    taken: list[bool] = []
-
-    def attempt() -> None:
-        lock = Redlock(resource)
-        taken.append(lock.acquire(blocking=False))
-        if taken[0]:
-            lock.release()
-
-    thread = threading.Thread(target=attempt)
-    thread.start()
-    thread.join(10)
-    return taken == [True]
 
 
 def _committed_value(name: str) -> int | None:

@@ -13,6 +13,7 @@ real Locust or chaos run) and states what the verdict must then say.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from harness.processes import children_of
 from loadtests import holds
 from loadtests.demo import Demo, parse_args
 from loadtests.verdict import check_sale, server_errors
@@ -237,16 +239,10 @@ def test_locust_fails_a_locked_run_in_which_nothing_was_sold(
 def _children(pid: int) -> list[tuple[int, str]]:
     """Return ``(pid, command line)`` of the direct children of ``pid`` (Linux)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append((int(entry.name), cmdline))
+    for child in children_of(pid):
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            found.append((child, cmdline.replace(b"\0", b" ").decode()))
     return found
 
 
