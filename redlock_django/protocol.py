@@ -956,7 +956,9 @@ def locked_flow(
     silent_before = False
     while True:
         replies: Replies = yield Fanout(PTTL_SCRIPT, (spec.key,), ())
-        held = sum(1 for r in replies if r.ok and r.value > 0)
+        # -1: a key without a TTL, which no lock writes: another's value, which an
+        # acquisition is refused by too.
+        held = sum(1 for r in replies if r.ok and (r.value > 0 or r.value == -1))
         failed = _failed(spec, replies, every)
         if held >= spec.quorum or len(failed) <= most:
             return held >= spec.quorum

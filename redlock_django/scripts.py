@@ -61,14 +61,15 @@ end
 
 
 # The fencing counter check that ACQUIRE and FAIR_ACQUIRE start with: KEYS[n] is the
-# counter (absent: no fencing); one that is not an integer is an error reply, given
-# before anything is written.
+# counter (absent: no fencing); one that is not a non-negative integer is an error
+# reply, given before anything is written (a negative one would make the reply
+# look like a refusal, and token 0 like no fencing).
 def _read_fence(n: int) -> str:
     return f"""
 local fence = 0
 if KEYS[{n}] then
   local raw = redis.call('get', KEYS[{n}]) or '0'
-  if not string.match(raw, '^%-?%d+$') then
+  if not string.match(raw, '^%d+$') then
     return redis.error_reply('fencing counter ' .. KEYS[{n}] .. ' is not a number')
   end
   fence = tonumber(raw)
@@ -150,21 +151,27 @@ end
 """
 
 # Needs ``now`` (``_NOW_MS``) and KEYS[q] and KEYS[w] named by the locals q and w;
-# leaves ``head`` (or false).
+# leaves ``head`` (or false). At most 16 expired entries are dropped per call (a
+# bounded script); ``capped`` says entries were left unlooked at, so the queue's
+# first live entry is not known: not "empty".
 # A local h (or nil) names KEYS[h], the hand-off records: a dropped entry's goes too.
 _LIVE_HEAD_AT_NOW = """
 local head = false
+local capped = true
 for _ = 1, 16 do
   head = redis.call('zrange', KEYS[q], 0, 0)[1] or false
-  if not head then break end
+  if not head then capped = false break end
   local until_ms = tonumber(redis.call('zscore', KEYS[w], head) or '0')
-  if until_ms > now then break end
+  if until_ms > now then capped = false break end
   redis.call('zrem', KEYS[q], head)
   redis.call('zrem', KEYS[w], head)
   if h and KEYS[h] then
     drop_record(KEYS[h], head)
   end
   head = false
+end
+if capped and redis.call('zcard', KEYS[q]) == 0 then
+  capped = false
 end
 """
 _LIVE_HEAD = _NOW_MS + _LIVE_HEAD_AT_NOW
@@ -272,7 +279,8 @@ return left
 # counter; ARGV[1-3] as ACQUIRE; ARGV[4] waiter id; ARGV[5] entry life in ms, or 0;
 # ARGV[6] (optional) its ticket; ARGV[7] (optional, "1") leave a hand-off record.
 # A free key is granted only when the queue's first live entry is ARGV[4] or the
-# queue is empty; otherwise it writes no lock (not our turn: -2). A key held by an
+# queue is empty (not while more expired entries are ahead than one call drops);
+# otherwise it writes no lock (not our turn: -2). A key held by an
 # earlier attempt of ours (a release handed it to us, or a clean-up was lost) is
 # ours to take over whatever the queue says: while two waiters' ticket draws race,
 # a release may hand the lock to one that is second in line on another node's
@@ -345,7 +353,7 @@ local q, w, h = 2, 3, 5
 """
     + _LIVE_HEAD_AT_NOW
     + """
-if head and head ~= ARGV[4] and not owner then
+if (capped or (head and head ~= ARGV[4])) and not owner then
   return refuse(-2)
 end
 """
