@@ -128,6 +128,40 @@ def _wait_until_heard(waiter: Redlock) -> None:
 
 
 @contextlib.contextmanager
+def _heard_from_the_start(waiter: Redlock) -> Iterator[Callable[[], None]]:
+    """Subscribe this process's channel of fair waiters on every node before
+    ``waiter`` starts waiting, and yield a function that returns once it waits.
+
+    Its watch then starts out confirmed: no confirmation wakes it into a second
+    attempt, which could cross a release the test makes (each node then hands the
+    lock to whichever attempt it last refused, or the attempt takes the handed key
+    itself: the lock is taken, ``handed`` False). Once it waits, a release hands
+    the lock over with its wake-up."""
+    config = waiter._resolve()
+    hub = wake.hub(nodes_module.sync_pools(config.nodes, config.node_timeout))
+    channel = (config.spec.wake_head + wake.process_tag()).encode()
+    placeholder = wake.SyncWatch(channel)
+    hub.watch(placeholder, None)
+    try:
+        deadline = time.monotonic() + 15
+        while not all(hub.listening(i, channel) for i in range(len(config.nodes))):
+            if time.monotonic() > deadline:
+                raise AssertionError("the channel of fair waiters was never confirmed")
+            time.sleep(0.01)
+
+        def waits() -> None:
+            deadline = time.monotonic() + 15
+            while hub.waiting(channel) < 2:
+                if time.monotonic() > deadline:
+                    raise AssertionError("the waiter never waited for a wake-up")
+                time.sleep(0.01)
+
+        yield waits
+    finally:
+        hub.unwatch(placeholder)
+
+
+@contextlib.contextmanager
 def _monitor(node: Any) -> Iterator[list[str]]:
     """The commands ``node`` runs while the block runs (its MONITOR lines)."""
     lines: list[str] = []
@@ -613,11 +647,12 @@ def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
 
         events.clear()
         thread = _owner_thread(owner, take, atake)
-        thread.start()
-        _wait_until_queued(nodes, "fair:confirm", 1)
-        _wait_until_heard(waiter)
-        holder.release()
-        thread.join(10)
+        with _heard_from_the_start(waiter) as waits:
+            thread.start()
+            _wait_until_queued(nodes, "fair:confirm", 1)
+            waits()
+            holder.release()
+            thread.join(10)
         acquired = [kw for name, kw in events if name == "lock_acquired"]
         assert acquired[-1]["handed"] is True, acquired
         assert 0 < seen["validity"] <= 0.6, seen
@@ -695,11 +730,12 @@ def test_a_handed_over_hold_whose_extension_fails_tries_again_and_keeps_its_lock
 
     thread = _owner_thread(owner, take, atake)
     try:
-        thread.start()
-        _wait_until_queued(nodes, resource, 1)
-        _wait_until_heard(waiter)
-        holder.release()
-        thread.join(15)
+        with _heard_from_the_start(waiter) as waits:
+            thread.start()
+            _wait_until_queued(nodes, resource, 1)
+            waits()
+            holder.release()
+            thread.join(15)
     finally:
         nodes.resume_all()
     assert not thread.is_alive()
@@ -739,11 +775,12 @@ def test_a_handed_over_hold_its_owner_extended_keeps_the_longer_lease(
         waiter.release()
 
     thread = threading.Thread(target=take)
-    thread.start()
-    _wait_until_queued(nodes, resource, 1)
-    _wait_until_heard(waiter)
-    holder.release()
-    thread.join(10)
+    with _heard_from_the_start(waiter) as waits:
+        thread.start()
+        _wait_until_queued(nodes, resource, 1)
+        waits()
+        holder.release()
+        thread.join(10)
     acquired = [kw for name, kw in events if name == "lock_acquired"]
     assert acquired[-1]["handed"] is True, acquired
     assert seen["extended"] is True, seen
