@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, overload
 from asgiref.sync import sync_to_async
 from django.core import checks
 from django.core.exceptions import FieldError, ValidationError
-from django.db import models, router, transaction
+from django.db import connections, models, router, transaction
 from django.db.models.expressions import Combinable
 
 from .checks import fencing_token_default, fencing_token_null
@@ -379,35 +379,53 @@ def _update(rows: models.QuerySet[Any], attname: str, changes: dict[str, Any]) -
     """``rows.update(**changes)``, with the token compare in ``rows`` checked by the
     write itself, after any wait for a row another transaction is writing.
 
-    A multi-table child's token field may live on a parent's table, and Django
-    updates a parent's fields by primary key after selecting the keys: a compare
-    checked by that SELECT alone would let an older holder's write, queued behind
-    a newer holder's uncommitted one, land once it commits. So the rows are locked
-    first (``SELECT ... FOR UPDATE`` re-checks the compare after a wait), then
-    written by key, in one transaction.
+    One ``UPDATE`` of one table whose conditions are all on that table does that:
+    the database re-checks them on the row it waited for. Django writes any other
+    update in steps: a filter through another table becomes ``WHERE pk IN
+    (SELECT ...)`` (or a SELECT of the keys first), and a change of a parent's
+    field (a multi-table child, its token field on either table) an update by key
+    after selecting the keys. The compare would then be checked only against the
+    rows as they were before the wait, so an older holder's write, queued behind a
+    newer holder's uncommitted one, would land once that commits. Such writes
+    first lock the rows and the token field's row (``SELECT ... FOR UPDATE``
+    re-checks the compare after a wait), then write them by key, in one
+    transaction.
     """
     model = rows.model
-    owner = model._meta.get_field(attname).model._meta.concrete_model
-    if owner is model._meta.concrete_model:
+    concrete = model._meta.concrete_model
+    own_table = all(
+        model._meta.get_field(name).model._meta.concrete_model is concrete
+        for name in changes
+    )
+    if own_table and rows.query.count_active_tables() <= 1:
         return rows.update(**changes)
     if rows.query.is_sliced:
         raise TypeError("Cannot update a query once a slice has been taken.")
-    key = owner._meta.pk.name  # the parent's key, as the child's queryset names it
-    on_owner = {
-        name: value
-        for name, value in changes.items()
-        if model._meta.get_field(name).model._meta.concrete_model is owner
-    }
-    others = {name: value for name, value in changes.items() if name not in on_owner}
     with transaction.atomic(using=rows.db):
-        keys = list(rows.select_for_update().values_list(key, flat=True))
-        if keys:
-            owner._base_manager.using(rows.db).filter(pk__in=keys).update(**on_owner)
-            if others:
-                model._base_manager.using(rows.db).filter(
-                    **{f"{key}__in": keys}
-                ).update(**others)
+        locked = rows.select_for_update(**_lock_of(rows, attname)).only(attname)
+        keys = {row.pk for row in locked}
+        if not keys:
+            return 0
+        model._base_manager.using(rows.db).filter(pk__in=keys).update(**changes)
     return len(keys)
+
+
+def _lock_of(rows: models.QuerySet[Any], attname: str) -> dict[str, Any]:
+    """``select_for_update()``'s ``of``: the rows' table and the token field's.
+
+    Only these are locked: a row a filter joins may be absent (the nullable side
+    of an outer join, which PostgreSQL cannot lock), and every fenced write of the
+    row locks its token field's row, which is what orders them. Without ``of``
+    (SQLite ignores the lock; MariaDB cannot name tables) every table is locked.
+    """
+    if not connections[rows.db].features.has_select_for_update_of:
+        return {}
+    model = rows.model
+    owner = model._meta.get_field(attname).model._meta.concrete_model
+    if owner is model._meta.concrete_model:
+        return {"of": ("self",)}
+    path = model._meta.get_path_to_parent(owner)
+    return {"of": ("self", "__".join(step.join_field.name for step in path))}
 
 
 class _InstanceWrite(NamedTuple):

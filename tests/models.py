@@ -42,6 +42,21 @@ class SpecialItem(FencedItem):
     note = models.CharField(max_length=100, default="")
 
 
+class Listing(models.Model):
+    """A parent whose child holds its own token field."""
+
+    name = models.CharField(max_length=100)
+    price = models.IntegerField(default=0)
+
+
+class FencedListing(Listing):
+    """A multi-table child with its token field on its own table: a write may
+    change its parent's fields too."""
+
+    stock = models.IntegerField(default=0)
+    fence = FencingTokenField()
+
+
 class CodedItem(models.Model):
     """A row keyed by a string."""
 

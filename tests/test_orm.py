@@ -48,6 +48,7 @@ from tests.models import (
     Counter,
     FencedItem,
     FencedItemProxy,
+    FencedListing,
     SpecialItem,
     TwoFenceItem,
     UUIDItem,
@@ -747,40 +748,36 @@ def _signal_when_blocked(pid: int, blocked: threading.Event) -> None:
     raise AssertionError("the stale write never waited for the row lock")
 
 
-@pytest.mark.parametrize(
-    ("write", "stale_wins"),
-    [
-        (_fenced_update, False),
-        (_fenced_queryset_update, False),
-        (_naive_fenced_update, True),
-    ],
-    ids=["fenced_update", "queryset", "negative-control-read-then-write"],
-)
-@pytest.mark.parametrize("model", [FencedItem, SpecialItem], ids=["model", "child"])
-@pytest.mark.django_db(transaction=True)
-def test_stale_write_waiting_on_the_newer_holders_transaction_is_refused(
-    other: Owner, write: Callable[..., bool], stale_wins: bool, model: Any
-) -> None:
-    """B's fenced write sits uncommitted while A's stale write waits on the row;
-    once B commits, the compare is checked again and refuses A. A read-then-write
-    check (the control) saw the old token before B committed and overwrites B.
+def _fenced_queryset_update_through_a_join(
+    item: FencedItem, lock: Redlock, stock: int
+) -> bool:
+    """The queryset form filtered through another table too (the child's, or its
+    absence: the nullable side of an outer join): Django writes ``WHERE pk IN
+    (SELECT ... JOIN ...)``, which the database does not re-check after a wait."""
+    joined = {"specialitem__isnull": not isinstance(item, SpecialItem)}
+    rows = FencedItem.objects.filter(pk=item.pk, fence=item.fence, **joined)
+    return bool(fenced_update(rows, lock, stock=stock))
 
-    Through a multi-table child too, whose token field lives on the parent's
-    table: Django updates a parent's fields by key after selecting the keys, and
-    the stale write landed, the row's token going backwards, until such writes
-    locked their rows first."""
-    if connection.vendor != "postgresql":
-        pytest.skip("needs row locks between connections: set DATABASE_URL")
-    item = model.objects.create(name="widget", stock=10)
-    lock_a = model_lock(item, fencing=True, ttl=PAUSE_TTL)
+
+def _stale_write_behind_a_newer_uncommitted_one(
+    other: Owner,
+    model: Any,
+    pk: Any,
+    newer: Callable[[Redlock], None],
+    stale: Callable[[Redlock], Any],
+) -> tuple[Any, int]:
+    """A's lease runs out; B writes the row with ``newer`` and keeps its
+    transaction open until A's ``stale`` write waits on B's row lock; then B
+    commits. Returns what A's write returned, and B's token."""
+    lock_a = model_lock(model, pk, fencing=True, ttl=PAUSE_TTL)
     assert lock_a.acquire()
     time.sleep(PAUSE)
     b_wrote, a_blocked = threading.Event(), threading.Event()
 
     def holder_b() -> int:
-        with model_lock(FencedItem, item.pk, fencing=True) as lock_b:
+        with model_lock(model, pk, fencing=True) as lock_b:
             with transaction.atomic():
-                assert fenced_update(FencedItem(pk=item.pk), lock_b, stock=7)
+                newer(lock_b)
                 b_wrote.set()
                 assert a_blocked.wait(5)
             token = lock_b.fencing_token
@@ -795,18 +792,107 @@ def test_stale_write_waiting_on_the_newer_holders_transaction_is_refused(
         b_token = b.submit(holder_b)
         assert b_wrote.wait(5)
         watching = other.submit(_signal_when_blocked, a_pid, a_blocked)
-        written = write(item, lock_a, 9)
+        written = stale(lock_a)
         watching.result(timeout=5)
         token_b = b_token.result(timeout=5)
     finally:
         b.close()
     with pytest.raises(LockLostError):
         lock_a.release()
+    return written, token_b
+
+
+needs_postgresql = pytest.mark.skipif(
+    "connection.vendor != 'postgresql'",
+    reason="needs row locks between connections: set DATABASE_URL",
+)
+
+
+@needs_postgresql
+@pytest.mark.parametrize(
+    ("write", "stale_wins"),
+    [
+        (_fenced_update, False),
+        (_fenced_queryset_update, False),
+        (_fenced_queryset_update_through_a_join, False),
+        (_naive_fenced_update, True),
+    ],
+    ids=["fenced_update", "queryset", "queryset-join", "negative-control"],
+)
+@pytest.mark.parametrize("model", [FencedItem, SpecialItem], ids=["model", "child"])
+@pytest.mark.django_db(transaction=True)
+def test_stale_write_waiting_on_the_newer_holders_transaction_is_refused(
+    other: Owner, write: Callable[..., bool], stale_wins: bool, model: Any
+) -> None:
+    """B's fenced write sits uncommitted while A's stale write waits on the row;
+    once B commits, the compare is checked again and refuses A. A read-then-write
+    check (the control) saw the old token before B committed and overwrites B.
+
+    Through a multi-table child too, whose token field lives on the parent's
+    table, and through a queryset filtered on another table: Django writes those
+    in steps (an update by key after selecting the keys; ``WHERE pk IN (SELECT
+    ...)``), and the stale write landed, the row's token going backwards, until
+    such writes locked their rows first."""
+    item = model.objects.create(name="widget", stock=10)
+
+    def newer(lock_b: Redlock) -> None:
+        assert fenced_update(FencedItem(pk=item.pk), lock_b, stock=7)
+
+    written, token_b = _stale_write_behind_a_newer_uncommitted_one(
+        other, model, item.pk, newer, lambda lock_a: write(item, lock_a, 9)
+    )
     stock, fence = FencedItem.objects.values_list("stock", "fence").get(pk=item.pk)
     if stale_wins:
         assert (written, stock) == (True, 9)
     else:
         assert (written, stock, fence) == (False, 7, token_b)
+
+
+@needs_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_stale_write_of_a_child_with_its_own_token_and_a_parent_field_is_refused(
+    other: Owner,
+) -> None:
+    """A child whose token field is on its own table, written together with a
+    field of its parent's table: Django updates the parent by key after selecting
+    the keys, so the compare must be checked under a row lock. The stale write
+    used to land once the newer one committed, the token going back."""
+    item = FencedListing.objects.create(name="w", price=10, stock=10)
+    read_by_a = FencedListing.objects.get(pk=item.pk)
+
+    def newer(lock_b: Redlock) -> None:
+        row = FencedListing.objects.get(pk=item.pk)
+        assert fenced_update(row, lock_b, price=7, stock=7)
+
+    written, token_b = _stale_write_behind_a_newer_uncommitted_one(
+        other,
+        FencedListing,
+        item.pk,
+        newer,
+        lambda lock_a: fenced_update(read_by_a, lock_a, price=9, stock=9),
+    )
+    row = FencedListing.objects.values("price", "stock", "fence").get(pk=item.pk)
+    assert (written, row) == (False, {"price": 7, "stock": 7, "fence": token_b})
+
+
+@pytest.mark.django_db
+def test_a_fenced_write_filtered_through_a_join_writes_the_rows_it_matches() -> None:
+    """The locked path of a joined filter writes what the filter matches, on the
+    nullable side of an outer join too, and nothing else."""
+    plain = FencedItem.objects.create(name="plain", stock=5)
+    child = SpecialItem.objects.create(name="child", stock=5, note="sale")
+    with model_lock(plain, fencing=True) as lock:
+        rows = FencedItem.objects.filter(pk=plain.pk, specialitem__isnull=True)
+        assert fenced_update(rows, lock, stock=4) == 1
+        token = lock.fencing_token
+    with model_lock(child, fencing=True) as lock:
+        rows = FencedItem.objects.filter(specialitem__note="none")
+        assert fenced_update(rows, lock, stock=0) == 0
+        rows = FencedItem.objects.filter(specialitem__note="sale")
+        assert fenced_update(rows, lock, stock=3) == 1
+    stocks = dict(FencedItem.objects.values_list("name", "stock"))
+    assert stocks == {"plain": 4, "child": 3}
+    assert FencedItem.objects.get(pk=plain.pk).fence == token
 
 
 # The field.
