@@ -21,8 +21,9 @@
    low (409 ``sold_out``), spend ``SHOP_WORK_SECONDS`` of "payment", then in one
    transaction write ``stock = <read value> - quantity`` with ``fenced_update``
    and create the order. A refused write is a 409 ``stale_lock`` and creates no
-   order. 201 ``{"order": {...}, "stock": <left>}``. The product lock is
-   released after the commit, then the customer lock.
+   order; a product deleted meanwhile is the 404. 201 ``{"order": {...},
+   "stock": <left>}``. The product lock is released after the commit, then the
+   customer lock.
 
 With ``SHOP_TIMINGS_DIR`` set, each purchase's steps are timed
 (``shop/timings.py``); ``make demo`` prints where a hold of the product lock goes.
@@ -310,6 +311,8 @@ def _buy_locked(
                 fencing_token=token,
             )
             timings.mark("written")
+    except Product.DoesNotExist:
+        return _not_found(product_id)  # deleted (the admin) while it was paid for
     except IntegrityError:
         return _already_ordered(customer, product_id)
     timings.mark("committed")
