@@ -188,13 +188,16 @@ def schedule_task(hold: Hold) -> None:
     task on the running loop (tried again while the handed lease lasts)."""
     hold.confirming = True
     delay: float | None = _due(hold) - _clock()
+    pid = os.getpid()
 
     async def confirm() -> None:
         nonlocal delay
         while delay is not None:
             await asyncio.sleep(delay)
             async with hold.aextending():
-                if not hold.confirming:
+                # A forked child running the loop it inherited: the hold is the
+                # parent's, which may have extended it since (not seen here).
+                if not hold.confirming or os.getpid() != pid:
                     return
                 config = hold.config
                 clients = nodes.async_clients(config.nodes, config.node_timeout)

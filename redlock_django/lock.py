@@ -15,6 +15,7 @@ The algorithm itself (quorum, validity, retries) is in ``protocol.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -372,12 +373,39 @@ class Redlock:
             grant = sync.run(flow, pools, config.node_timeout, hub=hub)
         except (LockContentionError, QuorumUnavailableError) as exc:
             return self._not_acquired(exc, since, raise_on_contention)
-        hold = self._grant(owner, config, grant, since)
-        if hold.watchdog is not None:
-            hold.watchdog.start_thread()
-        elif grant.handed:
-            confirm.schedule(hold)
+        try:
+            hold = self._grant(owner, config, grant, since)
+            if hold.watchdog is not None:
+                hold.watchdog.start_thread()
+            elif grant.handed:
+                confirm.schedule(hold)
+        except BaseException:
+            hold = self._forget_grant(owner, config, grant)
+            with contextlib.suppress(Exception):
+                sync.run(self._release_flow(hold), pools, config.node_timeout)
+            raise
         return True
+
+    def _forget_grant(self, owner: object, config: Config, grant: Grant) -> Hold:
+        """An acquisition interrupted once the nodes granted it (a signal handler
+        raised in a ``lock_acquired`` receiver): its caller is told it did not
+        acquire and will not release, so the hold is dropped and its watchdog
+        stopped. Returns the hold, whose release the caller tries at once
+        (otherwise the keys stay for the TTL)."""
+        hold = holds.find(owner, config.identity)
+        if hold is not None and hold.lease.token == grant.token:
+            holds.drop(owner, config.identity)
+            confirm.cancel(hold)
+            if hold.watchdog is not None:
+                hold.watchdog.halt()
+            return hold
+        lease = Lease(
+            token=grant.token,
+            acquired=grant.started,
+            valid_until=grant.valid_until,
+            fencing_token=grant.fencing_token,
+        )
+        return Hold(lease=lease, config=config, lock=self)
 
     def release(self) -> None:
         """Release the lock; only the owner's outermost release frees it.
@@ -389,21 +417,21 @@ class Redlock:
         hold = self._start_release(owner)
         if hold is None:
             return
-        confirm.cancel(hold)
-        if hold.watchdog is not None:
-            hold.watchdog.stop()
-        flow = self._release_flow(hold)
         config = hold.config
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
-        start = _clock()
         try:
-            outcome = sync.run(flow, pools, config.node_timeout)
+            confirm.cancel(hold)
+            if hold.watchdog is not None:
+                hold.watchdog.stop()
+            start = _clock()
+            outcome = sync.run(self._release_flow(hold), pools, config.node_timeout)
         except BaseException:
             # Interrupted (a signal handler raised: a Celery soft time limit,
-            # KeyboardInterrupt) while the release may already have run on the
-            # nodes: the hold is no longer trusted, so the owner's next
-            # acquisition asks the nodes instead of re-entering it. A release
-            # called again still releases what is left (LockLostError after).
+            # KeyboardInterrupt) once the watchdog was told to stop, or while the
+            # release may already have run on the nodes: the hold is no longer
+            # trusted, so the owner's next acquisition asks the nodes instead of
+            # re-entering it. A release called again still releases what is left
+            # (LockLostError after).
             if hold.lease.lost is None:
                 hold.lease.lost = "its release was interrupted"
             raise
@@ -501,11 +529,18 @@ class Redlock:
             grant = await aio.run(flow, clients, config.node_timeout, hub=hub)
         except (LockContentionError, QuorumUnavailableError) as exc:
             return self._not_acquired(exc, since, raise_on_contention)
-        hold = self._grant(owner, config, grant, since)
-        if hold.watchdog is not None:
-            hold.watchdog.start_task()
-        elif grant.handed:
-            confirm.schedule_task(hold)
+        try:
+            hold = self._grant(owner, config, grant, since)
+            if hold.watchdog is not None:
+                hold.watchdog.start_task()
+            elif grant.handed:
+                confirm.schedule_task(hold)
+        except BaseException:
+            hold = self._forget_grant(owner, config, grant)
+            with contextlib.suppress(Exception):
+                flow = self._release_flow(hold)
+                await aio.complete(aio.run(flow, clients, config.node_timeout))
+            raise
         return True
 
     async def arelease(self) -> None:

@@ -1065,3 +1065,98 @@ def test_a_hand_off_is_not_counted_where_the_attempts_own_clean_up_ran(
     X is no longer counted: W's next attempt takes the handed keys over."""
     why = _hand_off_after_a_late_reply(nodes, cut_and_late, "fair:late")
     assert why is None, why
+
+
+def test_a_forked_child_never_extends_its_parents_handed_over_hold(
+    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A task is handed a fair lock (a short handed lease, whose extension to the
+    TTL is due halfway through it) on an event loop the program runs piece by
+    piece (``run_until_complete``). The process forks while the loop is idle;
+    the parent's task extends its hold to 30 s, and the child runs the loop it
+    inherited for work of its own. The child must not run the parent's pending
+    confirmation task (the watchdog checks the pid for exactly this case; the
+    confirmation does not): it extends the parent's lease with the parent's
+    token, here cutting the parent's 30 s lease back to the 10 s TTL while the
+    parent believes it holds the lock for 30 s."""
+    settings.REDLOCK = {**redlock_settings, "QUEUE_LIFE": 2.0, "TTL": 10.0}
+    resource = "fair:fork-confirm"
+    key = lock_key(resource, "redlock")
+    holding, release_now = threading.Event(), threading.Event()
+
+    def hold_then_release() -> None:
+        holder = Redlock(resource, fair=True)
+        assert holder.acquire()
+        holding.set()
+        release_now.wait(20)
+        holder.release()
+
+    holder_thread = threading.Thread(target=hold_then_release)
+    holder_thread.start()
+    assert holding.wait(10)
+    waiter = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+    config = waiter._resolve()
+    hub = wake.hub(nodes_module.sync_pools(config.nodes, config.node_timeout))
+    channel = (config.spec.wake_head + wake.process_tag()).encode()
+    loop = asyncio.new_event_loop()
+    acquired, extend, extended, release = (asyncio.Event() for _ in range(4))
+    seen: dict[str, Any] = {}
+
+    async def owner() -> None:
+        assert await waiter.aacquire(timeout=20)
+        seen["handed"] = waiter.validity
+        acquired.set()
+        await extend.wait()
+        seen["extended"] = await waiter.aextend(30.0)
+        extended.set()
+        await release.wait()
+        await waiter.arelease()
+
+    async def until_handed_over() -> asyncio.Task[None]:
+        task = asyncio.ensure_future(owner())
+        deadline = time.monotonic() + 15
+        while min(_queued(nodes, resource)) < 1 or hub.waiting(channel) < 2:
+            assert time.monotonic() < deadline, "the waiter never waited"
+            await asyncio.sleep(0.01)
+        release_now.set()  # the holder's release hands the lock to the task
+        await acquired.wait()
+        return task
+
+    async def until(event: asyncio.Event) -> None:
+        await event.wait()
+
+    try:
+        with _heard_from_the_start(waiter):
+            task = loop.run_until_complete(until_handed_over())
+        holder_thread.join(10)
+        assert 0 < seen["handed"] <= 2.0, seen
+        pid = os.fork()
+        if pid == 0:  # the child: its own work on the loop it inherited
+            code = 1
+            try:
+                time.sleep(0.8)  # the parent extends meanwhile
+                loop.run_until_complete(asyncio.sleep(2.0))
+                code = 0
+            except BaseException:
+                import traceback
+
+                os.write(2, traceback.format_exc().encode())
+            finally:
+                os._exit(code)
+        extend.set()
+        loop.run_until_complete(until(extended))
+        assert seen["extended"] is True
+        _, status = os.waitpid(pid, 0)
+        assert status == 0
+        pttls = sorted((node.client().pttl(key) for node in nodes), reverse=True)
+        release.set()
+        loop.run_until_complete(task)
+    finally:
+        release_now.set()
+        release.set()
+        loop.close()
+    # The parent's lease has about 29 s left; a quorum of nodes must agree.
+    assert pttls[2] > 25_000, (
+        f"the parent extended its lease to 30 s, but 3 of 5 nodes end it within "
+        f"{pttls[2] / 1000:.1f}s: the forked child extended it to the TTL"
+    )

@@ -3,24 +3,39 @@
 Each test here reproduces a hole found by an adversarial review (issue 10) and fails
 on the code before its fix: a forked child inheriting its parent's hold, an expired
 hold poisoning its thread, a twice-cancelled ``arelease()`` skipping the release,
-and a re-entry through another ``Redlock`` ignoring that object's options.
+a re-entry through another ``Redlock`` ignoring that object's options, and a
+release or an acquisition interrupted by a signal handler outside its fan-out
+(while the watchdog stopped; once the nodes granted) leaving a hold registered as
+valid.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import multiprocessing
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from harness.held import held_on, lock_key
 from harness.nodes import NodeSet
-from redlock_django import LockContentionError, LockLostError, Redlock, signals
+from harness.proxy import FaultProxy
+from redlock_django import (
+    LockContentionError,
+    LockError,
+    LockLostError,
+    Redlock,
+    signals,
+)
+from redlock_django.scripts import EXTEND_SCRIPT
 
 # A forked child starts with none of its parent's holds.
 
@@ -358,3 +373,168 @@ async def test_an_acquire_cancelled_again_and_again_leaves_no_lock_behind(
             proxy.close()
     assert len(left) >= 10, "too few rounds were cancelled mid-way"
     assert left == [0] * len(left)
+
+
+# Interrupted by a signal handler around the fan-outs (a Celery soft time limit,
+# KeyboardInterrupt): the hold is never left registered as valid.
+
+
+class _Interrupted(Exception):
+    """What the test's SIGALRM handler raises (a Celery soft time limit does the
+    same with SIGUSR1)."""
+
+
+@pytest.fixture
+def proxies(nodes: NodeSet) -> Iterator[list[FaultProxy]]:
+    started = [FaultProxy(node.port).start() for node in nodes]
+    try:
+        yield started
+    finally:
+        for proxy in started:
+            proxy.close()
+
+
+@pytest.fixture
+def alarm() -> Iterator[None]:
+    def raise_interrupted(signum: int, frame: Any) -> None:
+        raise _Interrupted("interrupted by a signal handler")
+
+    previous = signal.signal(signal.SIGALRM, raise_interrupted)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_release_interrupted_while_stopping_the_watchdog_is_not_re_entered(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    proxies: list[FaultProxy],
+    alarm: None,
+) -> None:
+    """``release()`` of an auto-extended hold waits for the watchdog's extension
+    under way (a slow node); a signal handler raises meanwhile (a Celery soft
+    time limit). The watchdog is stopped by then, so the hold must no longer be
+    trusted, as for a release interrupted during its fan-out: the owner's next
+    ``with`` of the lock (the next Celery task on the same worker thread) must
+    not re-enter the dead-watchdog hold and then lose its lock to another owner
+    once the TTL runs out while it still works under an auto-extended lock."""
+    settings.REDLOCK = {
+        **redlock_settings,
+        "NODES": [proxy.url for proxy in proxies],
+        "TTL": 3.0,
+        "NODE_TIMEOUT": 1.0,
+        "WAIT_TIMEOUT": 6.0,
+        "WAKE_UPS": False,
+    }
+    resource = "holds:interrupted-stop"
+    for proxy in proxies:
+        proxy.hold_reply_to(EXTEND_SCRIPT.sha.encode())
+    lock = Redlock(resource, auto_extend=True)
+    assert lock.acquire()
+    # The watchdog extends a third into the lease; its replies are held back.
+    assert all(proxy.wait_for_held_replies(1, timeout=5) for proxy in proxies)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    with pytest.raises(_Interrupted):
+        lock.release()  # waits for the watchdog's extension: interrupted
+    for proxy in proxies:
+        proxy.release_held_replies()
+    # The next section in this thread, under the same auto-extended lock, works
+    # longer than the TTL; another owner must not get the lock meanwhile.
+    stolen: list[float] = []
+    stop = threading.Event()
+
+    def other_owner() -> None:
+        rival = Redlock(resource)
+        while not stop.is_set():
+            if rival.acquire(blocking=False):
+                stolen.append(time.monotonic())
+                rival.release()
+                return
+            time.sleep(0.05)
+
+    began = time.monotonic()
+    try:
+        with Redlock(resource, auto_extend=True) as again:
+            rival = threading.Thread(target=other_owner)
+            rival.start()
+            try:
+                time.sleep(5.0)  # past the TTL of whatever lease it entered with
+                still_held = held_on(nodes, resource)
+            finally:
+                stop.set()
+                rival.join(10)
+            depth = again.depth
+    finally:
+        with contextlib.suppress(LockError):
+            while lock.depth:  # what an interrupted release left registered
+                lock.release()
+    assert stolen == [], (
+        f"another owner acquired {stolen[0] - began:.2f}s into a section that "
+        f"re-entered (depth {depth}) a hold whose watchdog was stopped"
+    )
+    assert still_held >= 3
+
+
+class _Abort(BaseException):
+    """A BaseException raised from a signal handler, as KeyboardInterrupt and
+    SystemExit are (``signal.default_int_handler``, a SIGTERM handler)."""
+
+
+def test_an_acquire_interrupted_after_the_grant_leaves_no_hold_and_no_keys(
+    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A signal handler raises while ``acquire()`` finishes its bookkeeping after
+    the nodes granted (here while a ``lock_acquired`` receiver, a tracing
+    exporter say, runs). ``acquire()`` raised, so its caller never learns it
+    holds the lock and never releases it: the library must release the keys (or
+    at least not keep the hold), as it does for an interruption during the
+    fan-out. Instead the keys stay for the whole TTL, and the thread keeps a hold
+    without a watchdog that its next auto-extended ``with`` re-enters and then
+    never releases."""
+    resource = "holds:interrupted-grant"
+    receiving = threading.Event()
+
+    def slow_receiver(**kwargs: Any) -> None:
+        receiving.set()
+        time.sleep(1.0)
+
+    def raise_abort(signum: int, frame: Any) -> None:
+        raise _Abort("interrupted")
+
+    previous = signal.signal(signal.SIGALRM, raise_abort)
+    signals.lock_acquired.connect(slow_receiver, weak=False)
+    lock = Redlock(resource, auto_extend=True)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Abort):
+            lock.acquire()
+        assert receiving.is_set()
+        signals.lock_acquired.disconnect(slow_receiver)
+        left_owned, left_depth = lock.owned(), lock.depth
+        left_on = held_on(nodes, resource)
+        # The next section of this thread, under the same lock.
+        with Redlock(resource, auto_extend=True, ttl=10) as again:
+            depth_inside = again.depth
+        left_after = held_on(nodes, resource)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        signals.lock_acquired.disconnect(slow_receiver)
+        with contextlib.suppress(LockError):
+            while lock.depth:
+                lock.release()
+    found = {
+        "owned after the interrupted acquire": left_owned,
+        "depth after the interrupted acquire": left_depth,
+        "depth inside the next with": depth_inside,
+        "nodes holding it after every with ended": left_after,
+    }
+    assert found == {
+        "owned after the interrupted acquire": False,
+        "depth after the interrupted acquire": 0,
+        "depth inside the next with": 1,
+        "nodes holding it after every with ended": 0,
+    }, f"{left_on}/5 nodes held it after the interrupted acquire"
