@@ -116,6 +116,13 @@ class AliasError(ValueError):
     """A NODES entry names a cache alias that is not a usable Redis cache."""
 
 
+#: Said instead of quoting the path or the query of a URL with userinfo.
+_ENCODE_HINT = (
+    " (not quoted: it may hold part of the password; percent-encode / ? # @ and :"
+    " in a password)"
+)
+
+
 class _URLError(ValueError):
     """A URL is malformed; the message is the reason, without the URL."""
 
@@ -232,6 +239,10 @@ def _parse_url(url: str) -> _Target:
             "or unix://"
         )
     url = _normalise_scheme(url)
+    # A password holding an unencoded "/", "?" or "#" ends the address early, and
+    # its rest would be read as the path or the query: with userinfo written, no
+    # reason quotes what it read there.
+    secret = "@" in url.partition("://")[2]
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -245,12 +256,14 @@ def _parse_url(url: str) -> _Target:
     try:
         options = _redis_parse_url(url)
     except ValueError as exc:
+        if secret:
+            raise _URLError(f"an option is not valid{_ENCODE_HINT}") from None
         # redis-py names the option but not its value: safe to repeat. redis-py
         # 5.x quotes the name with backticks, 6.0 and later with single quotes.
         reason = str(exc).replace("`", "'")
         raise _URLError(reason[0].lower() + reason[1:].rstrip(".")) from None
     options.pop("connection_class", None)
-    _check_options(parts.scheme, options)
+    _check_options(parts.scheme, options, secret)
     # redis-py takes these from the query when the address lacks them, so the
     # node would connect somewhere else than it is shown and compared as.
     placed = sorted(
@@ -272,6 +285,8 @@ def _parse_url(url: str) -> _Target:
     path = unquote(parts.path)
     if path not in ("", "/") and "db" not in parse_qs(parts.query):
         if not re.fullmatch(r"/\d+/?", path):
+            if secret:
+                raise _URLError(f"the path is not a database number{_ENCODE_HINT}")
             raise _URLError(f"the path {path!r} is not a database number")
         db = int(path.strip("/"))
     host = unquote(parts.hostname)
@@ -286,9 +301,11 @@ def _check_db(db: int) -> int:
     return db
 
 
-def _check_options(scheme: str, options: dict[str, Any]) -> None:
+def _check_options(scheme: str, options: dict[str, Any], secret: bool) -> None:
     known = _connection_parameters(scheme) | _POOL_OPTIONS
     unknown = sorted(set(options) - known)
+    if unknown and secret:
+        raise _URLError(f"the query has an unknown option{_ENCODE_HINT}")
     if unknown:
         raise _URLError(
             "unknown option "
@@ -414,7 +431,10 @@ def _normalise_scheme(url: str) -> str:
 
 def _mask(entry: str) -> str:
     """Return ``entry`` with everything up to its last ``@`` and its query hidden."""
-    scheme, separator, rest = entry.rpartition("://")
+    # The first "://" ends the scheme: a password may hold another one.
+    scheme, separator, rest = entry.partition("://")
+    if not separator:
+        scheme, rest = "", entry
     if "@" in rest:
         rest = "***@" + rest.rpartition("@")[2]
     rest = rest.partition("?")[0].partition("#")[0]

@@ -44,8 +44,9 @@ from django.urls import URLPattern, path, reverse
 
 from . import listing
 from .conf import get_settings
+from .meta import printable
 from .models import HeldLock
-from .protocol import has_quorum, quorum
+from .protocol import has_quorum, quorum, unanswered_may_hold
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[HeldLock]
@@ -289,13 +290,23 @@ class HeldLockAdmin(_ModelAdmin):
     ) -> None:
         node_count = len(get_settings().nodes)
         released = ", ".join(f"node[{index}]" for index in outcome.released)
+        # The silent nodes may be a quorum of their own, still holding the lock
+        # (its holder can even extend it there): not a done release.
+        unsure = unanswered_may_hold(len(outcome.failed), node_count)
         summary = (
-            f"Force-released (token digest {digest}): "
+            f"{'Force release tried' if unsure else 'Force-released'} "
+            f"(token digest {digest}): "
             f"released on {len(outcome.released)} of {node_count} nodes ({released})"
         )
         if outcome.failed:
             summary += f"; failed on {_failures(outcome.failed)}"
-        reason = request.POST.get("reason", "").strip()[:500]
+        if unsure:
+            summary += (
+                f"; the lock may still be held until its lease runs out: "
+                f"{len(outcome.failed)} nodes could not be reached"
+            )
+        # Free text: control characters escaped, so it cannot forge a log line.
+        reason = printable(request.POST.get("reason", "").strip()[:500])
         if reason:
             summary += f"; reason: {reason}"
         user = request.user
@@ -313,7 +324,10 @@ class HeldLockAdmin(_ModelAdmin):
             user.get_username(),
             summary,
         )
-        level = messages.WARNING if outcome.failed else messages.SUCCESS
+        if unsure:
+            level = messages.ERROR
+        else:
+            level = messages.WARNING if outcome.failed else messages.SUCCESS
         self.message_user(request, f"“{resource}”: {summary}.", level)
 
     def _changelist_url(self, list_query: str) -> str:

@@ -91,9 +91,10 @@ NODE_TIMEOUT_SHARE = 0.05
 # the prefix, so it is as unsafe there as the glob characters themselves.
 _GLOB_CHARACTERS = frozenset("*?[]\\")
 # The userinfo of a URL, and query parameters whose name says "pass".
-# Up to the last "@" before the path, query or fragment, spaces included: redis-py
-# takes a password with an unencoded "@" or space whole, so it must be masked whole.
-_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+# From the first "scheme://" up to the last "@", spaces included: redis-py takes a
+# password with an unencoded "@" or space whole, and one holding "/", "?", "#" or
+# "://" is still a password (the check refuses the URL, this page shows it).
+_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://).*@", re.DOTALL)
 _QUERY_PASSWORD = re.compile(r"(?i)([?&][^=&#\s]*pass[^=&#\s]*=)[^&#]*")
 
 

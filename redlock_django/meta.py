@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-__all__ = ["HolderMeta", "as_int", "decode", "encode"]
+__all__ = ["HolderMeta", "as_int", "decode", "encode", "printable"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _json_object(raw: bytes | None) -> dict[str, object]:
         return {}
     try:
         fields = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
         return {}
     return fields if isinstance(fields, dict) else {}
 
@@ -127,8 +127,17 @@ def _datetime(value: object) -> datetime | None:
         return None
     try:
         moment = datetime.fromisoformat(value)
-    except ValueError:
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        return moment.astimezone(UTC)
+    except (ValueError, OverflowError):  # OverflowError: out of range in UTC
         return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.astimezone(UTC)
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\n``, ``\\x1b``): labels,
+    holder names and an operator's reason are free text, and a newline or an
+    escape sequence must not forge a log line or a row, nor drive a terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import threading
 import weakref
@@ -72,11 +73,16 @@ _NO_SETINFO: dict[str, Any] = (
 )
 
 
+_ACL_USER = re.compile(r"\bUser \S+ has\b")
+
+
 def describe(exc: BaseException) -> str:
     """Say why a node failed, in a line with no credentials in it."""
     if isinstance(exc, redis.TimeoutError | TimeoutError):
         return TIMED_OUT
     text = str(exc).splitlines()[0] if str(exc) else ""
+    # Valkey and Redis 7.2+ name the ACL user in NOPERM errors.
+    text = _ACL_USER.sub("this user has", text)
     return f"{type(exc).__name__}: {text}"[:200] if text else type(exc).__name__
 
 

@@ -25,6 +25,7 @@ from django.core.management.base import (
 from redlock_django import listing, runner
 from redlock_django.conf import get_settings
 from redlock_django.keys import MAX_NAME_LENGTH, check_resource
+from redlock_django.meta import printable
 from redlock_django.protocol import has_quorum, quorum, unanswered_may_hold
 
 logger = logging.getLogger(__name__)
@@ -377,7 +378,7 @@ class Command(BaseCommand):
     # --- output ---------------------------------------------------------------------
 
     def _table(self, header: list[str], rows: list[list[str]]) -> None:
-        rows = [[_printable(cell) for cell in row] for row in rows]
+        rows = [[printable(cell) for cell in row] for row in rows]
         widths = [
             max(len(row[column]) for row in [header, *rows])
             for column in range(len(header))
@@ -387,15 +388,6 @@ class Command(BaseCommand):
                 cell.ljust(width) for cell, width in zip(row, widths, strict=True)
             )
             self.stdout.write(line.rstrip())
-
-
-def _printable(cell: str) -> str:
-    """``cell`` with control characters escaped (``\\n``, ``\\x1b``): labels and
-    holder names are free text, and a newline or an escape sequence must not
-    forge a row or drive the operator's terminal."""
-    if cell.isprintable():
-        return cell
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in cell)
 
 
 def _names_verb(argv: Sequence[str], verb: str) -> bool:
