@@ -61,9 +61,11 @@ from .protocol import (
     grace,
 )
 from .wake import Hub, SyncWatch
+from .wire import INCOMPLETE, PORTABLE, SLICE, abort, in_flight, path_of, wait_one
 from .wire import MIN_WAIT as _MIN_WAIT
-from .wire import PORTABLE, SLICE, abort, in_flight, path_of, wait_one
 from .wire import arrived as _arrived
+from .wire import clean as _clean
+from .wire import closed_while_idle as _closed_while_idle
 from .wire import pack as _pack
 from .wire import read as _read
 from .wire import read_response as _read_response
@@ -113,10 +115,15 @@ def _take(pool: redis.ConnectionPool, pid: int) -> tuple[_Idle, Any, bool]:
         idle = _idle[pool] = _Idle()
     if idle.owed:
         _settle(idle)
-    try:
-        return idle, idle.conns.pop(), True
-    except IndexError:
-        return idle, pool.connection_class(**pool.connection_kwargs), False
+    while idle.conns:
+        try:
+            conn = idle.conns.pop()
+        except IndexError:  # another thread took the last one
+            break
+        if not _closed_while_idle(conn):
+            return idle, conn, True
+        abort(conn)
+    return idle, pool.connection_class(**pool.connection_kwargs), False
 
 
 def _stalled(idle: _Idle, exc: BaseException) -> None:
@@ -126,7 +133,9 @@ def _stalled(idle: _Idle, exc: BaseException) -> None:
 
 
 def _give(idle: _Idle, conn: Any) -> None:
-    if len(idle.conns) < MAX_IDLE:
+    if not _clean(conn):  # a reply nobody asked for would answer the next command
+        abort(conn)
+    elif len(idle.conns) < MAX_IDLE:
         idle.conns.append(conn)
     else:
         conn.disconnect()
@@ -188,7 +197,8 @@ class _Call:
         self.index = index
         self.idle = idle
         self.conn = conn
-        #: An idle connection: one the server closed may be retried on a new one.
+        #: An idle connection: if writing to it fails, the command is sent again
+        #: on a new one (it cannot have run).
         self.reused = reused
         #: NOSCRIPT was already answered by resending the script's source.
         self.resent = False
@@ -376,8 +386,10 @@ class _Round:
         """Read one node's reply; say whether it is a winning one.
 
         A node that answers NOSCRIPT (restarted, or SCRIPT FLUSH) gets the source
-        once, and an idle connection the server closed is retried once on a new
-        one: either call waits again.
+        once, and a reply not whole yet is waited for again. A connection that
+        breaks once its command went out fails the node: the command may have run
+        (a release that did would answer 0 if sent again, read as "not held");
+        idle connections the server closed are found before they are used.
         """
         i, conn = call.index, call.conn
         replies = self.replies
@@ -401,22 +413,15 @@ class _Round:
                 replies[i] = NodeReply(error=describe(exc))
                 return False
             call.reused, call.resent = False, True
-        except redis.ConnectionError as exc:
-            abort(conn)
-            if not call.reused or time.monotonic() >= self.deadline:
-                replies[i] = NodeReply(error=describe(exc))
-                return False
-            # Closed by the server while idle: every script is idempotent for one
-            # token, so a command that did run is safe to run again; a timeout is
-            # not retried.
-            if not self._again(call, stalled=False):
-                return False
         except Exception as exc:
             abort(conn)
             late = final and isinstance(exc, redis.TimeoutError)
             replies[i] = NodeReply(error=self.why if late else describe(exc))
             return False
         else:
+            if value is INCOMPLETE:  # the rest of it is waited for with the others
+                self._wait(call)
+                return False
             replies[i] = NodeReply(value)
             _give(call.idle, conn)
             winning = self.step.wins

@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import select
 import socket
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -52,12 +53,15 @@ except ImportError:  # pragma: no cover - another redis-py layout
 __all__ = [
     "FAST",
     "FORCED",
+    "INCOMPLETE",
     "PATHS",
     "PORTABLE",
     "SLICE",
     "Path",
     "abort",
     "arrived",
+    "clean",
+    "closed_while_idle",
     "in_flight",
     "pack",
     "path_of",
@@ -78,6 +82,8 @@ ENV = "REDLOCK_SYNC_DRIVER"
 SLICE = 0.0005
 #: The shortest read timeout: a zero timeout would make the socket non-blocking.
 MIN_WAIT = 0.0001
+#: ``read()``'s answer when a reply has started but not all of it is there yet.
+INCOMPLETE: Any = object()
 
 
 def _forced(environ: Any = os.environ) -> bool:
@@ -245,7 +251,11 @@ def read(conn: Any, timeout: float, direct: bool) -> Any:
     With ``direct`` and redis-py's hiredis parser on a plain socket, the reply is
     read straight into that parser's own reader: the same objects and errors as
     ``read_response()``, without its per-call timeout juggling and bookkeeping (a
-    third of a fan-out's Python time). Anything else goes through
+    third of a fan-out's Python time). What the socket holds is read without
+    waiting: a reply not whole yet returns ``INCOMPLETE``, its start kept in the
+    reader, and the caller waits for the rest beside the other nodes' replies (a
+    node sending its reply a byte at a time, each within the socket timeout, would
+    otherwise hold the fan-out far past its deadline). Anything else goes through
     ``read_response()``.
     """
     if not direct:
@@ -258,23 +268,38 @@ def read(conn: Any, timeout: float, direct: bool) -> Any:
         return read_response(conn, timeout)
     reply = reader.gets()
     while reply is _NOT_ENOUGH_DATA:
-        # The socket is readable: one read without waiting. A reply split across
-        # packets waits for the rest with recv(), at most the socket timeout.
         data = _read_now(sock)
         if data is None:
-            try:
-                data = sock.recv(65536)
-            except TimeoutError:
-                raise redis.TimeoutError("Timeout reading from socket") from None
-            except OSError as exc:
-                raise redis.ConnectionError(f"Error while reading: {exc}") from None
-            if not data:
-                raise redis.ConnectionError("Connection closed by server.")
+            return INCOMPLETE
         reader.feed(data)
         reply = reader.gets()
     if isinstance(reply, redis.ConnectionError | redis.ResponseError):
         raise reply
     return reply
+
+
+def clean(conn: Any) -> bool:
+    """Whether ``conn`` holds nothing unread: no reply nobody asked for (a server
+    misbehaving, a proxy) that the next command would take for its own."""
+    reader = getattr(getattr(conn, "_parser", None), "_reader", None)
+    has_data = getattr(reader, "has_data", None)
+    return has_data is None or not has_data()
+
+
+def closed_while_idle(conn: Any) -> bool:
+    """Whether an idle connection can be read, without waiting: the server closed
+    it (a restart, its idle timeout) or sent what nobody asked for. Either way it
+    must not carry a command: one that breaks after its command was written may
+    have run, and cannot be sent again."""
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        return False  # not connected: it connects when written to
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 def _read_now(sock: Any) -> bytes | None:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -27,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from harness.held import lock_key
+from harness.held import fence_key, lock_key
 from harness.nodes import NodeSet
 from harness.processes import process_state
 from harness.proxy import FaultProxy
@@ -276,3 +277,179 @@ async def test_an_async_call_left_behind_does_not_resend_after_a_late_noscript(
         await asyncio.sleep(1.2)  # every call's reply came or was given up
         left = _left_on(extra, lock_key("noscript-behind"))
     assert left == [{}] * 5, f"keys nobody owns: {left!r}"
+
+
+# A reply that is slow to arrive, cut by a reset, or followed by one nobody asked
+# for (an adversarial review of the driver; each test failed on the code before
+# its fix): a node trickling its reply a byte at a time held the fan-out far past
+# its deadline (and failed an acquisition a quorum granted at once); a release
+# whose reply was cut by a reset was sent again, answered 0 and read as a lost
+# lock; an extra reply left in the reader answered the next command.
+
+
+def echo_word(word: str, need: int = 0) -> Fanout:
+    return Fanout(ECHO_SCRIPT, ("echo",), (word,), need=need, wins=bool)
+
+
+def pools_for(settings: Any, urls: list[str], timeout: float = NODE_TIMEOUT) -> Any:
+    settings.REDLOCK = {"NODES": urls, "NODE_TIMEOUT": timeout, "TTL": 10.0}
+    config = get_settings()
+    return node_pools.sync_pools(config.nodes, config.node_timeout)
+
+
+def test_a_reply_trickled_byte_by_byte_cannot_hold_a_fanout_past_node_timeout(
+    settings: Any, nodes: NodeSet
+) -> None:
+    """A node that sends its reply one byte every 60 ms (each byte inside the
+    socket timeout) must not keep the fan-out beyond its NODE_TIMEOUT deadline."""
+    with FaultProxy(nodes.ports[0]) as proxy:
+        pools = pools_for(settings, [proxy.url, *nodes.urls[1:3]])
+        word = "w" * 40
+        # Warm up: connections open and the script cached everywhere.
+        assert (
+            sync.fanout(pools, echo_word(word), 2.0) == [NodeReply(word.encode())] * 3
+        )
+        proxy.trickle(0.06)
+        began = time.monotonic()
+        replies = sync.fanout(pools, echo_word(word), NODE_TIMEOUT)
+        took = time.monotonic() - began
+        assert replies[1:] == [NodeReply(word.encode())] * 2
+        assert took < 5 * NODE_TIMEOUT, (took, replies[0])
+
+
+def test_a_release_whose_reply_is_cut_by_a_reset_is_not_reported_as_a_lost_lock(
+    nodes: NodeSet, redlock_settings: Any
+) -> None:
+    """sync._Round._answer retries a reused connection's ConnectionError on a new one.
+    Two of three nodes run our RELEASE, then their connections are reset before
+    the reply reaches us (a middlebox, a crashed proxy). The driver resends the
+    release on a new connection, which finds the key already gone and answers 0:
+    the release then reads as "only 1/3 nodes still held it" and raises
+    LockLostError, although our token held every node until our own release."""
+    import threading
+
+    from redlock_django import LockError, Redlock
+
+    with FaultProxy(nodes.ports[0]) as p0, FaultProxy(nodes.ports[1]) as p1:
+        lock = Redlock(
+            "driver:release-reset",
+            nodes=[p0.url, p1.url, nodes.urls[2]],
+            node_timeout=1.0,
+            ttl=30.0,
+        )
+        assert lock.acquire(blocking=False)
+        for proxy in (p0, p1):
+            proxy.hold_reply_to(b"$4\r\nEVAL\r\n", count=1)
+
+        def cut() -> None:
+            for proxy in (p0, p1):
+                assert proxy.wait_for_held_replies(1)
+            for proxy in (p0, p1):
+                proxy.reset()
+
+        cutter = threading.Thread(target=cut)
+        cutter.start()
+        try:
+            lock.release()
+            error = None
+        except LockError as exc:
+            error = exc
+        cutter.join()
+        # Our release did delete the key on every node...
+        for node in nodes:
+            with node.client() as client:
+                assert client.exists(lock_key("driver:release-reset")) == 0
+        # ...so it must not be reported as a lock lost while held.
+        assert error is None, repr(error)
+
+
+def test_two_trickling_nodes_of_five_cannot_make_a_quorum_granted_acquire_fail(
+    nodes: NodeSet, redlock_settings: Any
+) -> None:
+    """Three of five nodes grant a fenced lock at once. Two others answer too, but
+    send their 19-byte reply (":1000000000000001\\r\\n") one byte every 90 ms, each
+    byte inside the 100 ms socket timeout (NODE_TIMEOUT). The slow nodes should
+    cost at most about one NODE_TIMEOUT; the driver instead reads them to the end
+    (about 1.7 s), the validity window (TTL 1.5 s) is gone, and an acquisition a
+    quorum granted within a millisecond fails."""
+    from redlock_django import LockError, Redlock
+
+    resource = "driver:trickle-fenced"
+    with FaultProxy(nodes.ports[0]) as p0, FaultProxy(nodes.ports[1]) as p1:
+        lock = Redlock(
+            resource,
+            nodes=[p0.url, p1.url, *nodes.urls[2:5]],
+            node_timeout=NODE_TIMEOUT,
+            ttl=1.5,
+            fencing=True,
+        )
+        assert lock.acquire(blocking=False)  # warm: connections, scripts
+        lock.release()
+        for node in nodes[:2]:
+            with node.client() as client:
+                client.set(fence_key(resource), 10**15)
+        p0.trickle(0.09)
+        p1.trickle(0.09)
+        began = time.monotonic()
+        try:
+            granted = lock.acquire(blocking=False)
+        except LockError as exc:
+            granted = exc  # type: ignore[assignment]
+        took = time.monotonic() - began
+        p0.pass_through()
+        p1.pass_through()
+        if granted is True:
+            lock.release()
+        assert granted is True, (granted, took)
+        assert took < 3 * NODE_TIMEOUT, took
+
+
+def test_an_unsolicited_extra_reply_is_never_taken_for_the_next_commands_reply(
+    settings: Any,
+) -> None:
+    """A (non-Redis) server answers the first command with its reply followed by
+    one more it was never asked for. The driver reads the whole segment into the
+    hiredis reader, hands the connection back with the extra reply still buffered,
+    and every later command on that connection then gets the PREVIOUS command's
+    reply: the off-by-one a pooled connection must never have (redis-py's own pool
+    drops a connection that holds unread data when it is checked out)."""
+    import socket
+    import threading
+
+    import hiredis
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    answered = 0
+
+    def handle(conn: socket.socket) -> None:
+        nonlocal answered
+        reader = hiredis.Reader()
+        with conn:
+            while data := conn.recv(65536):
+                reader.feed(data)
+                while (command := reader.gets()) is not False:
+                    answered += 1
+                    word = command[-1]
+                    out = b"$%d\r\n%s\r\n" % (len(word), word)
+                    if answered == 1:
+                        out += b"$5\r\nstale\r\n"
+                    conn.sendall(out)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        pools = pools_for(settings, [f"redis://127.0.0.1:{port}/0"])
+        got = [sync.fanout(pools, echo_word(f"w{n}"), 1.0)[0] for n in range(3)]
+    finally:
+        server.close()
+    assert got[0] == NodeReply(b"w0")
+    for n in (1, 2):  # its own reply, or the node counted as failed: never another's
+        assert got[n].value in (None, f"w{n}".encode()), got
