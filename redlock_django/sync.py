@@ -115,15 +115,10 @@ def _take(pool: redis.ConnectionPool, pid: int) -> tuple[_Idle, Any, bool]:
         idle = _idle[pool] = _Idle()
     if idle.owed:
         _settle(idle)
-    while idle.conns:
-        try:
-            conn = idle.conns.pop()
-        except IndexError:  # another thread took the last one
-            break
-        if not _closed_while_idle(conn):
-            return idle, conn, True
-        abort(conn)
-    return idle, pool.connection_class(**pool.connection_kwargs), False
+    try:
+        return idle, idle.conns.pop(), True
+    except IndexError:
+        return idle, pool.connection_class(**pool.connection_kwargs), False
 
 
 def _stalled(idle: _Idle, exc: BaseException) -> None:
@@ -255,8 +250,18 @@ class _Round:
         command = _command(step, by_sha=not step.critical)
         pid = os.getpid()
         sent: list[_Call] = []
-        for i in targets:
-            idle, conn, reused = _take(pools[i], pid)
+        taken = [(i, *_take(pools[i], pid)) for i in targets]
+        # An idle connection the server closed is replaced before it carries the
+        # command: one that breaks after the write fails its node (_answer).
+        closed = _closed_while_idle([conn for _, _, conn, reused in taken if reused])
+        if any(closed):
+            old = iter(closed)
+            for n, (i, idle, conn, reused) in enumerate(taken):
+                if reused and next(old):
+                    abort(conn)
+                    fresh = pools[i].connection_class(**pools[i].connection_kwargs)
+                    taken[n] = (i, idle, fresh, False)
+        for i, idle, conn, reused in taken:
             if not reused and began - idle.stalled_at < STALL_HOLD:
                 ago = began - idle.stalled_at
                 replies[i] = NodeReply(

@@ -31,7 +31,7 @@ import logging
 import os
 import select
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import redis
@@ -286,20 +286,29 @@ def clean(conn: Any) -> bool:
     return has_data is None or not has_data()
 
 
-def closed_while_idle(conn: Any) -> bool:
-    """Whether an idle connection can be read, without waiting: the server closed
-    it (a restart, its idle timeout) or sent what nobody asked for. Either way it
-    must not carry a command: one that breaks after its command was written may
-    have run, and cannot be sent again."""
-    sock = getattr(conn, "_sock", None)
-    if sock is None:
-        return False  # not connected: it connects when written to
-    try:
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):
-        return True
+def closed_while_idle(conns: Sequence[Any]) -> list[bool]:
+    """Say, for each idle connection, whether it can be read without waiting: the
+    server closed it (a restart, its idle timeout) or sent what nobody asked for.
+    Either way it must not carry a command: one that breaks after its command was
+    written may have run, and cannot be sent again. One poll() for them all."""
+    poller = select.poll()
+    polled: dict[int, int] = {}
+    closed = [False] * len(conns)
+    for position, conn in enumerate(conns):
+        sock = getattr(conn, "_sock", None)
+        if sock is None:
+            continue  # not connected: it connects when written to
+        try:
+            fd = sock.fileno()
+            poller.register(fd, select.POLLIN)
+        except (OSError, ValueError):
+            closed[position] = True
+            continue
+        polled[fd] = position
+    if polled:
+        for fd, _ in poller.poll(0):
+            closed[polled[fd]] = True
+    return closed
 
 
 def _read_now(sock: Any) -> bytes | None:
