@@ -78,7 +78,11 @@ class SingletonCommandMixin:
     def execute(self, *args: Any, **options: Any) -> Any:
         wait = options.get("wait") or 0.0
         # call_command() passes options without the parser's type checks.
-        if not (isinstance(wait, int | float) and 0 <= wait < math.inf):
+        if (
+            isinstance(wait, bool)
+            or not isinstance(wait, int | float)
+            or not 0 <= wait < math.inf
+        ):
             raise CommandError(
                 f"--wait must be a finite number of seconds >= 0, not {wait!r}",
                 returncode=EXIT_REFUSED,
@@ -88,7 +92,7 @@ class SingletonCommandMixin:
             acquired = (
                 lock.acquire(timeout=wait) if wait else lock.acquire(blocking=False)
             )
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             raise CommandError(str(exc), returncode=EXIT_REFUSED) from None
         except QuorumUnavailableError as exc:
             raise CommandError(str(exc), returncode=EXIT_NO_QUORUM) from None

@@ -49,12 +49,20 @@ the loss is logged at ERROR.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
@@ -142,6 +150,14 @@ class FunctionLock:
             raise ImproperlyConfigured(
                 f"locked() cannot hold a lock around generator {self.name}: the "
                 "lock would be released before its body runs"
+            )
+        if getattr(func, "__code__", None) in _CONTEXT_MANAGER_CODES:
+            # @contextmanager: the call returns the manager; its body, the work,
+            # runs in the caller's with-block, after the release.
+            raise ImproperlyConfigured(
+                f"locked() cannot hold a lock around context manager {self.name}: "
+                "the lock would be released before its body runs; decorate the "
+                "function called inside the with-block, or take the lock in it"
             )
         if on_contention not in POLICIES:
             raise ImproperlyConfigured(
@@ -431,12 +447,37 @@ def is_async_callable(func: object) -> bool:
 
 
 def _deferred(result: object) -> bool:
-    """Whether ``result`` is a body yet to run: a coroutine, awaitable or generator."""
+    """Whether ``result`` is a body yet to run: a coroutine, awaitable, generator,
+    or a ``@contextmanager``'s manager."""
     return (
         inspect.isawaitable(result)
         or inspect.isgenerator(result)
         or inspect.isasyncgen(result)
+        or isinstance(result, _GENERATOR_MANAGERS)
     )
+
+
+def _generator() -> Iterator[None]:
+    yield
+
+
+async def _async_generator() -> AsyncIterator[None]:
+    yield
+
+
+#: The code of the function ``@contextmanager`` (and the async one) returns: every
+#: such function shares it.
+_CONTEXT_MANAGER_CODES = frozenset(
+    {
+        contextlib.contextmanager(_generator).__code__,
+        contextlib.asynccontextmanager(_async_generator).__code__,
+    }
+)
+#: What those functions return: managers whose body runs in ``__enter__``.
+_GENERATOR_MANAGERS = (
+    type(contextlib.contextmanager(_generator)()),
+    type(contextlib.asynccontextmanager(_async_generator)()),
+)
 
 
 def _discard(result: Any) -> None:

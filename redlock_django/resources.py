@@ -184,6 +184,17 @@ def parse_template(
         literals.append(literal)
         literal = ""
     literals.append(literal)
+    for between in literals[1:-1]:
+        if ":" not in between:
+            # Values may hold anything but ":": "{a}-{b}" names (a="1-2", b="3")
+            # and (a="1", b="2-3") alike, and two different calls would share
+            # one lock.
+            raise ImproperlyConfigured(
+                f"lock resource {template!r}: separate placeholders with text "
+                "holding ':' (values never contain one), e.g. "
+                "'report:{user_id}:{month}': otherwise two different calls can "
+                "name the same resource"
+            )
     text = "".join(literals)
     char = _bad_character(text, _FORBIDDEN_IN_NAME)
     if char is not None:

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 from django.core.exceptions import ImproperlyConfigured
 from kombu.transport import redis as kombu_redis
 
@@ -489,6 +490,36 @@ def test_acks_late_redelivery_never_runs_beside_the_first_delivery(
         assert len(counts.lrange(f"{name}:ended", 0, -1)) >= 1
     else:
         assert overlaps >= 1
+
+
+@pytest.mark.skipif(
+    not _QUICK_RESTORE,
+    reason="this kombu restores unacknowledged messages every 10 s at most (no "
+    "unacked_restore_interval, kombu < 5.7): no redelivery while the first run goes on",
+)
+def test_an_acks_late_copy_skipped_beside_its_own_run_leaves_no_result(
+    late_workers: list[Worker],
+    nodes: NodeSet,
+    redlock_settings: dict[str, Any],
+    counts: redis.Redis,
+) -> None:
+    """A "skip" task's message delivered again while its first run works finds
+    the lock held by its own task id: the copy leaves no result (``Ignore``), so
+    the id does not read SUCCESS before the run ends, and the run's own result is
+    the one stored. The copy used to store SUCCESS(None) under that id while the
+    run still worked (``get()`` answered None, links fired early)."""
+    name = unique("lateskip")
+    result = tasks.late_skipped.apply_async((name, 4.0), queue="late")
+    wait_for(lambda: runs(counts, name), 20, "the first run to start")
+    wait_for(
+        lambda: any("leaves no result" in w.text() for w in late_workers),
+        15,
+        "a copy to find the lock held by its own run",
+    )
+    assert int(counts.get(f"{name}:inside") or 0) == 1  # the run still works
+    assert AsyncResult(result.id, app=tasks.app).state != "SUCCESS"
+    assert result.get(timeout=20) == "done"
+    assert len(runs(counts, name)) == 1
 
 
 # Eager mode: the task runs in this process, under the same lock.

@@ -658,11 +658,11 @@ def test_whole_resource_length_is_capped(
 ) -> None:
     """Values within their cap can still add up past 200 characters: 400."""
 
-    @distributed_lock("{a}{b}{c}{d}")
+    @distributed_lock("{a}:{b}:{c}:{d}")
     def view(request: HttpRequest, **kwargs: Any) -> HttpResponse:
         return HttpResponse("ran")
 
-    values = {name: "y" * 50 for name in "abcd"}
+    values = {name: "y" * 49 for name in "abcd"}  # 4 x 49 + 3 separators = 199
     assert view(rf.get("/"), **values).status_code == 200
     values["d"] = "y" * 51
     response = view(rf.get("/"), **values)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -69,6 +70,9 @@ def key_count(nodes: Any) -> int:
         ("report {user_id}", "literal text contains ' '"),
         ("", "empty"),
         ("report:{args}", "names no parameter"),
+        # (user_id="1-2", force="3") and ("1", "2-3") would name one resource.
+        ("report:{user_id}-{force}", "separate placeholders with text holding ':'"),
+        ("report:{user_id}{force}", "separate placeholders with text holding ':'"),
     ],
 )
 def test_a_bad_template_is_refused_at_decoration(template: str, message: str) -> None:
@@ -108,6 +112,43 @@ def test_a_generator_function_is_refused() -> None:
 
     with pytest.raises(ImproperlyConfigured, match="generator"):
         locked("rows:{user_id}")(rows)
+
+
+def test_a_context_manager_function_is_refused() -> None:
+    """``@contextmanager`` returns the manager: its body, the work, would run in
+    the caller's with-block after the release (it did, on 0 nodes)."""
+
+    @contextlib.contextmanager
+    def session(key: str) -> Iterator[None]:
+        yield
+
+    @contextlib.asynccontextmanager
+    async def asession(key: str) -> AsyncIterator[None]:
+        yield
+
+    for manager in (session, asession):
+        with pytest.raises(ImproperlyConfigured, match="context manager"):
+            locked("session:{key}")(manager)
+
+
+def test_a_wrapper_returning_a_context_manager_is_a_type_error_and_releases() -> None:
+    """A plain wrapper returning a ``@contextmanager``'s manager is caught at the
+    call, the lock released, before the body could run unlocked."""
+
+    @contextlib.contextmanager
+    def session() -> Iterator[None]:
+        raise AssertionError("the body must never run")
+        yield
+
+    @locked("session:{key}")
+    def open_session(key: str) -> Any:
+        return session()
+
+    with pytest.raises(TypeError, match="body would run after the lock is released"):
+        open_session("k")
+    again = Redlock("session:k")
+    assert again.acquire(blocking=False)  # released
+    again.release()
 
 
 def test_a_resource_that_is_neither_template_nor_callable_is_refused() -> None:

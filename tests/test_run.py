@@ -468,8 +468,10 @@ def test_a_singleton_command_already_running_raises_75_or_waits(
         ("", {}, "resource must be a non-empty string"),
         ("bad\nname", {}, "contains control characters"),
         ("command:ok", {"wait": -1}, "--wait must be a finite number"),
+        # A bool is an int to isinstance(): it raised a raw TypeError from the lock.
+        ("command:ok", {"wait": True}, "--wait must be a finite number"),
     ],
-    ids=["empty", "newline", "wait<0"],
+    ids=["empty", "newline", "wait<0", "wait-bool"],
 )
 def test_a_singleton_command_refuses_bad_input_before_the_nodes(
     redlock_settings: dict[str, Any],
