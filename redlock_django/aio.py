@@ -78,6 +78,10 @@ class _Ended(Exception):
     """The fan-out returned before this call wrote its command: it never will."""
 
 
+class _NotSent(redis.ConnectionError):
+    """The connection was closed before the command was written to it."""
+
+
 async def _roundtrip(
     conn: Any, command: tuple[Any, ...], k: int, marks: list[float], over: list[bool]
 ) -> Any:
@@ -90,7 +94,7 @@ async def _roundtrip(
         raise _Ended("not sent: the fan-out had returned")
     writer = conn._writer
     if writer is None:
-        raise redis.ConnectionError("Connection closed.")
+        raise _NotSent("Connection closed.")
     # A direct write: redis-py's send_packed_command() wraps it in wait_for(), one
     # more task and one more timer that a busy loop could serve late.
     writer.writelines(conn.pack_command(*command))
@@ -162,10 +166,12 @@ async def _call(
                     )
                 got[k] = NodeReply(value)
                 return
-            except redis.ConnectionError:
-                # A pooled connection the server closed (a restart) is only seen
-                # when used. Every script is idempotent for one token, so one
-                # more try on a new connection is safe; a failed connect is not.
+            except _NotSent:
+                # Closed before anything was written: one more try on a new
+                # connection. An idle one the server closed is found when taken
+                # (the pool's check); one that breaks after the write fails the
+                # node, its command may have run (a release sent again would
+                # answer 0, read as "not held").
                 if attempt == 2:
                     raise
             finally:

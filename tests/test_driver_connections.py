@@ -317,29 +317,27 @@ def test_a_reply_trickled_byte_by_byte_cannot_hold_a_fanout_past_node_timeout(
         assert took < 5 * NODE_TIMEOUT, (took, replies[0])
 
 
+@pytest.mark.parametrize("driver", ["sync", "async"])
 def test_a_release_whose_reply_is_cut_by_a_reset_is_not_reported_as_a_lost_lock(
-    nodes: NodeSet, redlock_settings: Any
+    nodes: NodeSet, redlock_settings: Any, driver: str
 ) -> None:
-    """sync._Round._answer retries a reused connection's ConnectionError on a new one.
-    Two of three nodes run our RELEASE, then their connections are reset before
-    the reply reaches us (a middlebox, a crashed proxy). The driver resends the
-    release on a new connection, which finds the key already gone and answers 0:
-    the release then reads as "only 1/3 nodes still held it" and raises
-    LockLostError, although our token held every node until our own release."""
+    """Two of three nodes run our RELEASE, then their connections are reset before
+    the reply reaches us (a middlebox, a crashed proxy). Both drivers took the
+    broken reused connection for one the server closed while idle and sent the
+    release again on a new one: it found the key gone and answered 0, and the
+    release read as "only 1/3 nodes still held it" (LockLostError), although our
+    token held every node until our own release."""
     import threading
 
     from redlock_django import LockError, Redlock
 
     with FaultProxy(nodes.ports[0]) as p0, FaultProxy(nodes.ports[1]) as p1:
         lock = Redlock(
-            "driver:release-reset",
+            f"driver:release-reset-{driver}",
             nodes=[p0.url, p1.url, nodes.urls[2]],
             node_timeout=1.0,
             ttl=30.0,
         )
-        assert lock.acquire(blocking=False)
-        for proxy in (p0, p1):
-            proxy.hold_reply_to(b"$4\r\nEVAL\r\n", count=1)
 
         def cut() -> None:
             for proxy in (p0, p1):
@@ -347,10 +345,23 @@ def test_a_release_whose_reply_is_cut_by_a_reset_is_not_reported_as_a_lost_lock(
             for proxy in (p0, p1):
                 proxy.reset()
 
+        async def in_a_task() -> None:
+            assert await lock.aacquire(blocking=False)
+            for proxy in (p0, p1):
+                proxy.hold_reply_to(b"$4\r\nEVAL\r\n", count=1)
+            cutter.start()
+            await lock.arelease()
+
         cutter = threading.Thread(target=cut)
-        cutter.start()
         try:
-            lock.release()
+            if driver == "sync":
+                assert lock.acquire(blocking=False)
+                for proxy in (p0, p1):
+                    proxy.hold_reply_to(b"$4\r\nEVAL\r\n", count=1)
+                cutter.start()
+                lock.release()
+            else:
+                asyncio.run(in_a_task())
             error = None
         except LockError as exc:
             error = exc
@@ -358,7 +369,7 @@ def test_a_release_whose_reply_is_cut_by_a_reset_is_not_reported_as_a_lost_lock(
         # Our release did delete the key on every node...
         for node in nodes:
             with node.client() as client:
-                assert client.exists(lock_key("driver:release-reset")) == 0
+                assert client.exists(lock_key(f"driver:release-reset-{driver}")) == 0
         # ...so it must not be reported as a lock lost while held.
         assert error is None, repr(error)
 
