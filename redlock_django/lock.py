@@ -195,6 +195,11 @@ class Redlock:
         holds.put(owner, config.identity, hold)
         if config.auto_extend:
             hold.watchdog = Watchdog(hold, owner, Redlock)
+        return hold
+
+    def _announce(self, config: Config, grant: Grant, since: float) -> None:
+        """Send ``lock_acquired``: last, once the watchdog runs (a slow receiver
+        must not outlast an unextended lease)."""
         self._send(
             signals.lock_acquired,
             waited=_clock() - since,
@@ -206,7 +211,21 @@ class Redlock:
             nodes=config.spec.node_count,
             handed=grant.handed,
         )
-        return hold
+
+    def _let_go_of_grant(
+        self, hold: Hold, outcome: Release | None, elapsed: float, announced: bool
+    ) -> None:
+        """After an interrupted acquisition's own release: ``lock_released`` pairs
+        the ``lock_acquired`` already sent (receivers count holds by them)."""
+        if announced:
+            self._send(
+                signals.lock_released,
+                held=_clock() - hold.lease.acquired,
+                elapsed=elapsed,
+                released=0 if outcome is None else outcome.released,
+                lost=None,
+                fencing_token=hold.lease.fencing_token,
+            )
 
     def _not_acquired(self, exc: LockError, since: float, raise_all: bool) -> bool:
         """Signal a failed acquisition: False on contention, else re-raise.
@@ -254,8 +273,13 @@ class Redlock:
         spec = hold.config.spec
         held_for = _clock() - hold.lease.acquired
         released, failed = outcome.released, len(outcome.failed)
-        self._send(
+        # The object that acquired it, as lock_acquired named: a re-entry through
+        # another object may make the outermost release.
+        signals.send(
             signals.lock_released,
+            Redlock,
+            lock=hold.lock,
+            resource=self.resource,
             held=held_for,
             elapsed=elapsed,
             released=released,
@@ -373,16 +397,22 @@ class Redlock:
             grant = sync.run(flow, pools, config.node_timeout, hub=hub)
         except (LockContentionError, QuorumUnavailableError) as exc:
             return self._not_acquired(exc, since, raise_on_contention)
+        announced = False
         try:
             hold = self._grant(owner, config, grant, since)
             if hold.watchdog is not None:
                 hold.watchdog.start_thread()
             elif grant.handed:
                 confirm.schedule(hold)
+            announced = True  # a receiver interrupted midway was told already
+            self._announce(config, grant, since)
         except BaseException:
             hold = self._forget_grant(owner, config, grant)
+            outcome, start = None, _clock()
             with contextlib.suppress(Exception):
-                sync.run(self._release_flow(hold), pools, config.node_timeout)
+                flow = self._release_flow(hold)
+                outcome = sync.run(flow, pools, config.node_timeout)
+            self._let_go_of_grant(hold, outcome, _clock() - start, announced)
             raise
         return True
 
@@ -478,7 +508,13 @@ class Redlock:
         # Extended by its owner: a handed-over hold's own extension to the TTL is
         # no longer needed, and would shorten a longer lease asked for here.
         hold.confirming = False
-        self._send(signals.lock_extended, validity=extension.valid_until - _clock())
+        signals.send(
+            signals.lock_extended,
+            Redlock,
+            lock=hold.lock,
+            resource=self.resource,
+            validity=extension.valid_until - _clock(),
+        )
         return True
 
     def __enter__(self) -> Redlock:
@@ -529,17 +565,23 @@ class Redlock:
             grant = await aio.run(flow, clients, config.node_timeout, hub=hub)
         except (LockContentionError, QuorumUnavailableError) as exc:
             return self._not_acquired(exc, since, raise_on_contention)
+        announced = False
         try:
             hold = self._grant(owner, config, grant, since)
             if hold.watchdog is not None:
                 hold.watchdog.start_task()
             elif grant.handed:
                 confirm.schedule_task(hold)
+            announced = True  # a receiver interrupted midway was told already
+            self._announce(config, grant, since)
         except BaseException:
             hold = self._forget_grant(owner, config, grant)
+            outcome, start = None, _clock()
             with contextlib.suppress(Exception):
                 flow = self._release_flow(hold)
-                await aio.complete(aio.run(flow, clients, config.node_timeout))
+                run = aio.run(flow, clients, config.node_timeout)
+                outcome = await aio.complete(run)
+            self._let_go_of_grant(hold, outcome, _clock() - start, announced)
             raise
         return True
 

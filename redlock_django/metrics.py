@@ -7,6 +7,7 @@ resource label: resource names are unbounded, metric label sets must not be.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -111,5 +112,8 @@ def install() -> bool:
         signal.connect(
             receiver, weak=False, dispatch_uid=f"redlock-metrics-{receiver.__name__}"
         )
+    # A forked child holds none of its parent's locks (holds.py): it starts at 0,
+    # or its gauge would count holds whose release it never sees.
+    os.register_at_fork(after_in_child=lambda: current.set(0))
     _installed = True
     return True

@@ -135,8 +135,12 @@ class Watchdog:
                 self.hold.extending.release()
 
     def _sleep(self, seconds: float) -> None:
+        # The wait was reckoned before the lock_extended receivers ran: a slow one
+        # must not push the next extension past the lease.
+        began = _clock()
         self._note_extension()
         self._let_go()
+        seconds = max(0.0, seconds - (_clock() - began))
         if self._stop.wait(seconds) or self._owner_gone():
             raise _Stopped
         # A manual extend() under way finishes first; the flow then reads the
@@ -148,9 +152,10 @@ class Watchdog:
             raise _Stopped
 
     async def _asleep(self, seconds: float) -> None:
+        began = _clock()
         self._note_extension()
         self._let_go()
-        await asyncio.sleep(seconds)
+        await asyncio.sleep(max(0.0, seconds - (_clock() - began)))
         if self._stop.is_set() or self._owner_gone():
             raise _Stopped
         await self.hold.aextending().acquire()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from threading import current_thread
@@ -16,6 +18,7 @@ from harness.held import lock_key, tokens
 from harness.nodes import NodeSet
 from redlock_django import (
     LockContentionError,
+    LockError,
     LockLostError,
     QuorumUnavailableError,
     Redlock,
@@ -275,3 +278,159 @@ def test_a_receiver_that_raises_is_logged_and_the_lock_goes_on(
     errors = [r for r in caplog.records if "receiver bug" in str(r.exc_info)]
     assert len(errors) == 2, caplog.records  # acquired, released
     assert all(r.name == "django.dispatch" for r in errors)
+
+
+# Found by an adversarial review (each failed on the code before its fix): a
+# lock_acquired never paired with lock_released after an interrupted acquisition;
+# a forked child's redlock_held counting its parent's holds; lock_released naming
+# another object than lock_acquired; slow receivers running off an unextended
+# lease.
+
+
+class Interrupted(BaseException):
+    """What a signal handler raises (as KeyboardInterrupt or a time limit does)."""
+
+
+@pytest.fixture
+def sigusr1_interrupts() -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted("interrupted by SIGUSR1")
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    yield
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def test_an_acquisition_interrupted_in_a_receiver_is_followed_by_lock_released(
+    sent: list[Any],
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    sigusr1_interrupts: None,
+) -> None:
+    """A signal (Ctrl-C, a time limit) interrupts a ``lock_acquired`` receiver:
+    the acquisition is undone and released on the nodes (``_forget_grant``), but
+    the ``lock_acquired`` already sent is never followed by its ``lock_released``,
+    so ``redlock_held`` stays one too high for good."""
+    assert metrics.installed()
+    before = sample("redlock_held")
+
+    def interrupted_receiver(**kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(1)  # the handler runs before this ends
+
+    signals.lock_acquired.connect(interrupted_receiver, weak=False)
+    try:
+        with pytest.raises(Interrupted):
+            Redlock("interrupted", ttl=5).acquire()
+    finally:
+        signals.lock_acquired.disconnect(interrupted_receiver)
+    assert tokens(nodes, "interrupted") == [None] * 5  # undone on the nodes
+    assert names(sent).count("lock_acquired") == 1
+    assert names(sent).count("lock_released") == 1, names(sent)
+    assert sample("redlock_held") == before
+
+
+@pytest.mark.timeout(30)
+def test_a_forked_child_does_not_report_its_parents_holds_in_redlock_held(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A child forked inside a hold starts with none of its parent's holds
+    (README), and will never release them, yet its ``redlock_held`` ("Locks
+    currently held by this process") starts at the parent's count and stays
+    there for the child's whole life."""
+    assert metrics.installed()
+    before = sample("redlock_held")
+    lock = Redlock("forked", ttl=5)
+    assert lock.acquire(blocking=False)
+    try:
+        assert sample("redlock_held") == before + 1
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            try:
+                os.close(read)
+                value = f"{sample('redlock_held')} {lock.depth}"
+                os.write(write, value.encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as reader:
+            child_held, child_depth = reader.read().split()
+        os.waitpid(pid, 0)
+    finally:
+        lock.release()
+    assert int(child_depth) == 0  # the child holds nothing...
+    assert float(child_held) == before  # ...and its gauge should say so
+
+
+def test_lock_released_names_the_same_lock_object_as_its_lock_acquired(
+    sent: list[Any], redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """One hold, re-entered through a second ``Redlock`` object on the same lock
+    and left last through that object: ``lock_acquired`` names the object that
+    acquired it, ``lock_released`` the one whose release was outermost. Every
+    other signal of a hold (``lock_lost``, the watchdog's ``lock_extended``, the
+    ``lock_released`` of a replaced hold) sends ``hold.lock``, documented as
+    "the object that acquired it, sent with the signals"; a receiver that pairs
+    acquisitions with releases by ``lock`` never sees this hold end."""
+    first = Redlock("shared", ttl=5)
+    second = Redlock("shared", ttl=5)
+    first.acquire()
+    second.acquire()  # re-entered: depth 2
+    first.release()
+    second.release()  # the outermost release
+    assert tokens(nodes, "shared") == [None] * 5
+    assert names(sent) == ["lock_acquired", "lock_released"]
+    assert sent[1][1]["lock"] is sent[0][1]["lock"]
+
+
+def test_a_slow_lock_acquired_receiver_does_not_lose_an_auto_extended_lock(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """``acquire()`` sends ``lock_acquired`` before it starts the watchdog
+    thread (``_acquire``: ``_grant`` sends, then ``start_thread()``), so the
+    time a receiver takes (a synchronous push to a metrics gateway, a log
+    shipper) runs off an ``auto_extend`` lease with nobody extending it: a
+    receiver slower than the TTL hands the caller a lock already lost."""
+    lock = Redlock("slow-acquired", ttl=1.0, auto_extend=True)
+
+    def slow(**kwargs: Any) -> None:
+        time.sleep(1.5)
+
+    signals.lock_acquired.connect(slow, weak=False)
+    try:
+        assert lock.acquire()
+    finally:
+        signals.lock_acquired.disconnect(slow)
+    try:
+        time.sleep(0.3)
+        assert not lock.lost
+        assert lock.owned()
+    finally:
+        with contextlib.suppress(LockError):
+            lock.release()
+
+
+def test_a_slow_lock_extended_receiver_does_not_lose_an_auto_extended_lock(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The watchdog sends ``lock_extended`` at the start of its next sleep
+    (``Watchdog._sleep`` -> ``_note_extension``), then sleeps the full delay
+    ``watchdog_flow`` computed before the receivers ran: time spent in a
+    receiver is added to the gap between extensions. With a 1.5 s TTL the
+    watchdog extends every ~0.5 s; a 1.2 s receiver pushes the next extension
+    past the end of the lease, and the lock is lost while held."""
+    lock = Redlock("slow-extended", ttl=1.5, auto_extend=True)
+
+    def slow(**kwargs: Any) -> None:
+        time.sleep(1.2)
+
+    signals.lock_extended.connect(slow, weak=False)
+    try:
+        assert lock.acquire()
+        time.sleep(2.5)
+        assert not lock.lost
+    finally:
+        signals.lock_extended.disconnect(slow)
+        with contextlib.suppress(LockError):
+            lock.release()
