@@ -115,6 +115,23 @@ def _merge(settings: RedlockSettings, given: dict[str, Any]) -> _Merged:
             f"({merged.node_timeout}s) and the clock drift allowance "
             f"({drift(ttl, drift_factor):.3f}s)"
         )
+    # The settings' own cross-field rules (conf.py, redlock.E009), for the values
+    # one lock brings.
+    if merged.retry_delay + merged.retry_jitter <= 0:
+        raise ValueError(
+            "retry_delay and retry_jitter are both 0: retries would spin without "
+            "pause"
+        )
+    if (
+        merged.auto_extend
+        and merged.max_hold is not None
+        and merged.max_hold < merged.ttl
+    ):
+        raise ValueError(
+            f"max_hold ({merged.max_hold:g}s) is less than ttl ({merged.ttl:g}s): "
+            "the first lease would already outlive the cap; give a max_hold of at "
+            "least the ttl, or None"
+        )
     return _Merged(
         settings=merged,
         node_names=tuple(n.display for n in merged.nodes),
