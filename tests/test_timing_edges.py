@@ -25,7 +25,6 @@ from redlock_django.protocol import (
     TIMED_OUT,
     UNAWAITED,
     Fanout,
-    LockSpec,
     NodeReply,
     Sleep,
     acquire_flow,
@@ -37,29 +36,10 @@ from redlock_django.scripts import (
     PTTL_SCRIPT,
     RELEASE_SCRIPT,
 )
+from tests.test_protocol import FakeClock
+from tests.test_protocol import spec as make_spec
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_spec(n: int = 5, ttl: float = 10.0, fencing: bool = False) -> LockSpec:
-    return LockSpec(
-        resource="r",
-        key="p:lock:r",
-        node_names=tuple(f"node{i}" for i in range(n)),
-        ttl=ttl,
-        drift_factor=0.01,
-        retry_delay=0.1,
-        retry_jitter=0.2,
-        fence_key="p:fence:r" if fencing else None,
-    )
 
 
 @pytest.fixture
