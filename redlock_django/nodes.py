@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import os
 import re
-import socket
 import threading
 import weakref
 from collections.abc import Sequence
@@ -49,6 +48,7 @@ from redis.retry import Retry
 
 from .address import NodeSpec, connection_params
 from .protocol import TIMED_OUT
+from .sockets import shut_down
 
 try:  # private: a redis-py without it leaves TLS connections their default parser
     from redis._parsers import _RESP2Parser
@@ -220,8 +220,7 @@ def _close_without_loop(
                     continue
                 sock = writer.get_extra_info("socket")
                 if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
+                    shut_down(sock)
                 conn._writer = conn._reader = None
 
 

@@ -119,8 +119,7 @@ def _merge(settings: RedlockSettings, given: dict[str, Any]) -> _Merged:
     # one lock brings.
     if merged.retry_delay + merged.retry_jitter <= 0:
         raise ValueError(
-            "retry_delay and retry_jitter are both 0: retries would spin without "
-            "pause"
+            "retry_delay and retry_jitter are both 0: retries would spin without pause"
         )
     if (
         merged.auto_extend

@@ -12,6 +12,7 @@ its attempt waited, or never does.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import struct
 import sys
@@ -23,7 +24,7 @@ try:  # POSIX only; elsewhere nothing can tell, and unacknowledged() says False
 except ImportError:  # pragma: no cover - Windows
     fcntl = termios = None  # type: ignore[assignment]
 
-__all__ = ["reset_on_close", "unacknowledged"]
+__all__ = ["reset_on_close", "shut_down", "unacknowledged"]
 
 _LINGER_ZERO = struct.pack("ii", 1, 0)
 #: Linux's SIOCOUTQ (the tty's TIOCOUTQ number): bytes written on a TCP socket and
@@ -39,6 +40,20 @@ def reset_on_close(sock: Any) -> None:
     """Make closing ``sock`` a reset that throws away what was not delivered."""
     with contextlib.suppress(OSError, AttributeError, ValueError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ZERO)
+
+
+def shut_down(sock: Any) -> None:
+    """End the connection of ``sock`` for both sides at once, without closing its
+    descriptor (its transport does, when collected).
+
+    Through a duplicate of the descriptor: uvloop hands out a ``PseudoSocket``
+    whose own ``shutdown()`` raises ``TypeError``; the connection is the same.
+    """
+    with (
+        contextlib.suppress(OSError, AttributeError, TypeError, ValueError),
+        socket.socket(fileno=os.dup(sock.fileno())) as duplicate,
+    ):
+        duplicate.shutdown(socket.SHUT_RDWR)
 
 
 def unacknowledged(sock: Any) -> bool:

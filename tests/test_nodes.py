@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -222,3 +223,80 @@ def test_a_settings_change_closes_the_idle_connections_of_a_running_loop(
         gc.enable()
     assert counts["before"] >= 1, counts
     assert counts["after"] == 0 and counts["unclosed"] == 0, counts
+
+
+# Under uvloop (an adversarial review of the asyncio driver; both tests failed on
+# the code before its fix): closing the connections of a finished loop called
+# shutdown() on the transport's socket, which uvloop hands out as a PseudoSocket
+# that raises TypeError: every other uvloop.run() failed to lock, and a settings
+# change stopped closing pools midway.
+
+
+@pytest.fixture
+def uvloop() -> Any:
+    return pytest.importorskip("uvloop")
+
+
+@pytest.fixture
+def forget_closed_loops() -> Iterator[None]:
+    """After the test, drop the cached clients of closed loops without closing
+    them, so the settings fixture's own reset at teardown does not hit the bug
+    under test a second time (an ERROR at teardown)."""
+    yield
+    for loop in list(node_pools._async):
+        if loop.is_closed():
+            node_pools._async.pop(loop, None)
+
+
+async def _acquire_and_release(name: str) -> bool:
+    lock = Redlock(name, ttl=10)
+    got = await lock.aacquire(blocking=False)
+    if got:
+        await lock.arelease()
+    return got
+
+
+def test_uvloop_run_called_repeatedly_acquires_every_time(
+    settings: Any,
+    nodes: NodeSet,
+    redlock_settings: Any,
+    uvloop: Any,
+    forget_closed_loops: None,
+) -> None:
+    """One uvloop.run() per operation (what asyncio.run() per call is under
+    uvloop): every run acquires and releases. The first call on a new loop
+    closes the connections of the loops closed since (nodes.async_clients ->
+    _close_without_loop), and there a uvloop transport's socket is a
+    PseudoSocket whose shutdown() raises TypeError, not the OSError that is
+    suppressed: that aacquire() raises TypeError instead of locking, so every
+    other run fails."""
+    settings.REDLOCK = {**redlock_settings, "WAKE_UPS": False, "AUTO_EXTEND": False}
+    results = []
+    for n in range(4):
+        try:
+            results.append(uvloop.run(_acquire_and_release(f"nodes:uvloop-{n}")))
+        except Exception as exc:  # the assertion shows it
+            results.append(repr(exc))
+    assert results == [True] * 4, results
+
+
+def test_a_settings_change_after_a_uvloop_run_closes_its_clients_quietly(
+    settings: Any,
+    nodes: NodeSet,
+    redlock_settings: Any,
+    uvloop: Any,
+    forget_closed_loops: None,
+) -> None:
+    """After a uvloop.run() that locked, changing REDLOCK (nodes.reset(), from
+    the setting_changed receiver) closes that closed loop's connections. It
+    raises TypeError from the PseudoSocket's shutdown() instead, which stops
+    reset() midway: the other cached loops' pools are neither closed nor
+    forgotten, and Django's send_robust logs the receiver's error."""
+    settings.REDLOCK = {**redlock_settings, "WAKE_UPS": False, "AUTO_EXTEND": False}
+    assert uvloop.run(_acquire_and_release("nodes:uvloop-reset"))
+    try:
+        node_pools.reset()
+        error = None
+    except Exception as exc:  # the assertion shows it
+        error = exc
+    assert error is None, repr(error)
