@@ -199,15 +199,6 @@ def late_locked(name: str, seconds: float) -> str:
     return sleep_inside(name, seconds)
 
 
-@app.task(
-    base=RedlockTask, lock="lateskip:{name}", lock_on_contention="skip", acks_late=True
-)
-def late_skipped(name: str, seconds: float) -> str:
-    """Skipped when held: a copy delivered again beside its own run leaves no
-    result (``Ignore``), where a skip stored SUCCESS(None) under the running id."""
-    return sleep_inside(name, seconds)
-
-
 @app.task(acks_late=True)
 def late_unlocked(name: str, seconds: float) -> str:
     """The negative control of ``late_locked``: redelivered, runs twice at once."""

@@ -29,12 +29,7 @@ The options are task options, so ``@app.task(...)`` keywords or class attributes
 - ``lock_timeout``, ``lock_ttl``, ``lock_auto_extend``, ``lock_max_hold``,
   ``lock_fencing``, ``lock_nodes``: as ``locked()``'s ``timeout``, ``ttl``, ...
 
-The admin page labels the lock ``celery <task name> [<task id>]``. A message
-delivered again while its first run still works (``acks_late`` past the broker's
-visibility timeout) that finds the lock held by that run, labelled with its own
-task id, raises ``Ignore`` whatever the policy: it leaves no state under the
-running task's id (a skip stored SUCCESS(None) there, "raise" FAILURE, "retry"
-ran the body a second time).
+The admin page labels the lock ``celery <task name> [<task id>]``.
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ from typing import Any, ClassVar, cast
 try:
     from billiard.exceptions import WorkerLostError
     from celery import Task
-    from celery.exceptions import Ignore, TimeLimitExceeded
+    from celery.exceptions import TimeLimitExceeded
     from celery.signals import task_failure, task_revoked
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
@@ -127,51 +122,13 @@ class RedlockTask(Task):  # type: ignore[misc]
 
         label = task_label(self.name, self.request.id)
         try:
-            result = function_lock.call(args, kwargs, body, label=label)
+            return function_lock.call(args, kwargs, body, label=label)
         except LockContentionError as exc:
             # Only the task's own lock being held is retried, not a
             # contention the body ran into.
-            if entered:
-                raise
-            self._ignore_beside_itself(function_lock, args, kwargs, label)
-            if self.lock_on_contention != "retry":
+            if entered or self.lock_on_contention != "retry":
                 raise
             raise self.retry(exc=exc, countdown=self.lock_retry_countdown) from None
-        if not entered:  # "skip": the lock was held
-            self._ignore_beside_itself(function_lock, args, kwargs, label)
-        return result
-
-    def _ignore_beside_itself(
-        self,
-        function_lock: FunctionLock,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        label: str,
-    ) -> None:
-        """Raise ``Ignore`` when the lock is held by a run of this very task id.
-
-        A message delivered again while its first run still works (``acks_late``
-        past the broker's visibility timeout) must leave no state of its own: a
-        skip would store SUCCESS(None) under the running task's id (``get()``
-        answers, links fire, before the work is done), "raise" FAILURE, "retry"
-        a second run later.
-        """
-        if self.request.id is None or self.request.called_directly:
-            return
-        try:
-            resource = function_lock.resource_for(tuple(args), dict(kwargs))
-            holders = listing.describe([resource])
-        except Exception:  # undecided: the policy's own outcome stands
-            return
-        if any(held.label == label for held in holders):
-            logger.info(
-                "task %s[%s]: its lock %r is held by a run of this same task id "
-                "(a message delivered again); this delivery leaves no result",
-                self.name,
-                self.request.id,
-                resource,
-            )
-            raise Ignore()
 
 
 def _function_lock_for(cls: type[RedlockTask]) -> FunctionLock | None:
