@@ -401,13 +401,32 @@ def _update(rows: models.QuerySet[Any], attname: str, changes: dict[str, Any]) -
         return rows.update(**changes)
     if rows.query.is_sliced:
         raise TypeError("Cannot update a query once a slice has been taken.")
+    if rows.query.distinct or rows.query.group_by is not None:
+        raise TypeError(
+            "fenced_update() of a queryset filtered through another table cannot "
+            "lock a distinct() or aggregated queryset's rows (SELECT ... FOR UPDATE "
+            "refuses them): filter without distinct() or annotations"
+        )
     with transaction.atomic(using=rows.db):
-        locked = rows.select_for_update(**_lock_of(rows, attname)).only(attname)
-        keys = {row.pk for row in locked}
+        locked = _model_rows(rows).select_for_update(**_lock_of(rows, attname))
+        keys = {row.pk for row in locked.only(attname)}
         if not keys:
             return 0
         model._base_manager.using(rows.db).filter(pk__in=keys).update(**changes)
     return len(keys)
+
+
+def _model_rows(rows: models.QuerySet[Any]) -> models.QuerySet[Any]:
+    """``rows`` as model instances, whatever ``values()`` it was given: the same
+    filters (``update()`` ignores the selected fields as well)."""
+    if getattr(rows, "_fields", None) is None:
+        return rows
+    query = rows.query.chain()
+    query.clear_select_fields()
+    query.default_cols = True
+    instances: models.QuerySet[Any] = rows.model._base_manager.using(rows.db).all()
+    instances.query = query
+    return instances
 
 
 def _lock_of(rows: models.QuerySet[Any], attname: str) -> dict[str, Any]:

@@ -1055,3 +1055,18 @@ def test_a_multi_table_child_writes_its_own_and_its_parents_fields_with_the_toke
         assert not fenced_update(stale, lock, stock=0, note="stale")
     row = SpecialItem.objects.get(pk=item.pk)
     assert (row.stock, row.note, row.fence) == (8, "second", newer)
+
+
+@pytest.mark.django_db
+def test_a_fenced_update_filtered_through_a_join_takes_a_values_queryset_too() -> None:
+    """The locked path reads the rows as instances, whatever ``values()`` the
+    queryset was given (it raised TypeError from ``only()``; ``update()`` ignores
+    the selection as well). A ``distinct()`` one cannot be locked: a clear
+    TypeError, before any query."""
+    item = SpecialItem.objects.create(name="a", stock=1, note="n")
+    rows = FencedItem.objects.filter(specialitem__note="n").values("name")
+    with model_lock(item, fencing=True) as lock:
+        assert fenced_update(rows, lock, stock=5) == 1
+        with pytest.raises(TypeError, match="distinct"):
+            fenced_update(rows.distinct(), lock, stock=6)
+    assert FencedItem.objects.get(pk=item.pk).stock == 5
