@@ -13,8 +13,10 @@ import hashlib
 import re
 
 __all__ = [
+    "KINDS",
     "MAX_NAME_LENGTH",
     "MAX_RESOURCE_LENGTH",
+    "check_not_hashed",
     "check_resource",
     "fence_key",
     "handoff_key",
@@ -48,6 +50,29 @@ def check_resource(resource: object, limit: int = MAX_RESOURCE_LENGTH) -> str:
         )
     if not resource.isprintable():
         raise ValueError(f"resource {resource!r} contains control characters")
+    return resource
+
+
+#: The words after the prefix that say what a key holds: a prefix with one of them
+#: as a later ``:`` part would share keys with a shorter prefix ("app:lock" and
+#: resource "x" against "app" and resource "lock:x").
+KINDS = frozenset({"lock", "fence", "queue", "waiters", "ticket", "handoff"})
+
+#: The form a long name takes in keys (``key_name``): a name written that way
+#: would share another resource's keys.
+_HASHED = re.compile(r".{160}~[0-9a-f]{32}", re.DOTALL)
+
+
+def check_not_hashed(resource: str) -> str:
+    """Return ``resource`` unless it has the form a hashed long name takes in
+    keys (160 characters, ``~``, 32 hex digits): it would lock that long name's
+    resource, not its own. ``ValueError`` otherwise."""
+    if len(resource) <= MAX_RESOURCE_LENGTH and _HASHED.fullmatch(resource):
+        raise ValueError(
+            f"resource {resource[:40]!r}... has the form of a hashed long name (160 "
+            "characters, '~', 32 hex digits): it would name another resource's "
+            "lock; change it"
+        )
     return resource
 
 

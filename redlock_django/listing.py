@@ -36,6 +36,7 @@ import hashlib
 import logging
 import math
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,7 @@ from . import nodes as node_pools
 from .address import NodeSpec
 from .conf import RedlockSettings, get_settings
 from .keys import MAX_NAME_LENGTH, check_resource, lock_head, lock_key, lock_pattern
-from .protocol import has_quorum, quorum, unanswered_may_hold
+from .protocol import has_quorum, quorum, release_id, unanswered_may_hold
 from .scripts import FORCE_RELEASE_SCRIPT
 
 __all__ = [
@@ -522,8 +523,12 @@ def force_release(resource: str, token_digest: str) -> ForceRelease:
     key = lock_key(resource, conf.key_prefix)
     script = FORCE_RELEASE_SCRIPT
 
+    # One wake-up for every node's publish: its waiters are woken once a
+    # majority of the nodes reported it, as after a release.
+    wake = release_id(f"forced {secrets.token_hex(8)}")
+
     def run(client: redis.Redis) -> int:
-        return int(client.eval(script.source, 1, key, digest))
+        return int(client.eval(script.source, 1, key, digest, wake))
 
     released: list[int] = []
     failed: dict[str, str] = {}

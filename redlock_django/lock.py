@@ -41,7 +41,7 @@ from .exceptions import (
     QuorumUnavailableError,
 )
 from .holds import Hold
-from .keys import MAX_NAME_LENGTH, check_resource
+from .keys import MAX_NAME_LENGTH, check_not_hashed, check_resource
 from .options import Config, resolve
 from .protocol import (
     Extension,
@@ -103,7 +103,7 @@ class Redlock:
         drift_factor: float | None = None,
         fair: bool | None = None,
     ) -> None:
-        self.resource = check_resource(resource, MAX_NAME_LENGTH)
+        self.resource = check_not_hashed(check_resource(resource, MAX_NAME_LENGTH))
         check_seconds("ttl", ttl, allow_none=True)
         if max_hold != math.inf:
             check_seconds("max_hold", max_hold, allow_none=True)

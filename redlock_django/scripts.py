@@ -553,6 +553,11 @@ end
 if string.sub(redis.sha1hex(token), 1, string.len(ARGV[1])) ~= ARGV[1] then
   return 0
 end
-return redis.call('del', KEYS[1])
+local deleted = redis.call('del', KEYS[1])
+if ARGV[2] then
+  -- Wake the lock's waiters, as a release does (their channel is the key).
+  redis.pcall('publish', KEYS[1], ARGV[2])
+end
+return deleted
 """,
 )

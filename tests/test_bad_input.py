@@ -110,6 +110,8 @@ CASES = [
     setting("KEY_PREFIX", "lock*", r"redlock\.E010: .* pattern character"),
     setting("KEY_PREFIX", "my lock", r"redlock\.E010: .* whitespace"),
     setting("KEY_PREFIX", 7, r"redlock\.E010: .* not a string"),
+    # "app:lock" + resource "x" is the key of "app" + resource "lock:x".
+    setting("KEY_PREFIX", "app:lock", r"redlock\.E010: .* 'lock' after a ':'"),
     setting("TLL", 10, r"redlock\.E001: .* unknown key 'TLL'; did you mean 'TTL'"),
     setting("NODES", [], r"redlock\.E002: REDLOCK\['NODES'\] is empty"),
     setting("NODES", "redis://h:1/0", r"redlock\.E002: .* not str"),
@@ -159,6 +161,13 @@ CASES = [
         lambda _: Redlock(None).acquire(),  # type: ignore[arg-type]
         ValueError,
         r"resource must be a non-empty string",
+    ),
+    Case(
+        # The form a long name takes in keys: it would lock that long name.
+        "resource=<160>~<32 hex>",
+        lambda _: Redlock("r" * 160 + "~" + "0123456789abcdef" * 2).acquire(),
+        ValueError,
+        r"has the form of a hashed long name",
     ),
     # --- acquire() and extend() arguments ---
     Case(

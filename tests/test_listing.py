@@ -450,3 +450,43 @@ def test_held_lock_rows_are_plain_frozen_values(
     assert isinstance(held, ListedLock)
     with pytest.raises(AttributeError):
         held.resource = "other"  # type: ignore[misc]
+
+
+def test_a_force_release_wakes_the_waiter_instead_of_leaving_it_to_its_timer(
+    nodes: NodeSet, redlock_settings: dict[str, Any], settings: Any
+) -> None:
+    """Waiters sleep on their wake-up subscription (RETRY_DELAY long here); an
+    operator's forced release wakes them, as a release does (it woke nobody: the
+    waiter got the lock at its own timer, 4 s later). A fair lock's queue is not
+    told yet: its first waiter retries at its retry delay."""
+    settings.REDLOCK = {**redlock_settings, "RETRY_DELAY": 30.0, "FAIR": False}
+    holder = Redlock("stuck")
+    assert holder.acquire(blocking=False)
+    started = threading.Event()
+    got_at: list[float] = []
+
+    def wait() -> None:
+        lock = Redlock("stuck")
+        started.set()
+        if lock.acquire(timeout=5):
+            got_at.append(time.monotonic())
+            lock.release()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    try:
+        started.wait(5)
+        time.sleep(1.0)  # the waiter's first attempt is refused; it sleeps
+        (shown,) = held_locks()
+        released_at = time.monotonic()
+        assert force_release("stuck", shown.token_digest).released == (0, 1, 2, 3, 4)
+        waiter.join(15)
+        assert got_at, "the waiter never got the lock"
+        assert got_at[0] - released_at < 2.0, (
+            f"the waiter got the freed lock only {got_at[0] - released_at:.1f}s "
+            "after the forced release (its timer, not a wake-up)"
+        )
+    finally:
+        waiter.join(15)
+        with contextlib.suppress(LockError):
+            holder.release()

@@ -111,7 +111,9 @@ class Command(BaseCommand):
             description=(
                 "List the held locks: on how many (and which) nodes, the holder, "
                 "when acquired, time left, fencing token and token digest. A lock "
-                "held on fewer than a quorum of nodes is flagged. Exit 0."
+                "held on fewer than a quorum of nodes is flagged. Exit 0, or 3 "
+                "when the nodes that did not answer could hold locks of their own "
+                "(a quorum of them): no list can be trusted then."
             ),
         )
         list_locks.add_argument(
