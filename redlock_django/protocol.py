@@ -576,17 +576,17 @@ def acquire_flow(
                     # This attempt refreshed the entry.
                     place.refresh_at = start + spec.queue_life / 3
             most = spec.node_count - spec.quorum
-            # Neither a client late for the replies nor a node left unawaited once
-            # a quorum answered (the fencing round's failures may come on top of
-            # those) is evidence of an outage.
+            # A client late for the replies is no evidence of an outage; nor is a
+            # node left unawaited once a quorum answered (the fencing round's
+            # failures may come on top of those) while a retry can still tell.
+            last = wait == 0 or (deadline is not None and clock() >= deadline)
             down = sum(
                 1
                 for why in failed.values()
-                if not why.startswith(LATE) and why != UNAWAITED
+                if not why.startswith(LATE) and (last or why != UNAWAITED)
             )
             silent = _all_silent(spec, failed)
             # All silent: tried once more (a busy host), if a retry fits the wait.
-            last = wait == 0 or (deadline is not None and clock() >= deadline)
             if down > most and (last or not silent or silent_before):
                 raise _error(
                     QuorumUnavailableError,
