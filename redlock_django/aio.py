@@ -82,6 +82,11 @@ class _NotSent(redis.ConnectionError):
     """The connection was closed before the command was written to it."""
 
 
+#: A node whose connection broke after the command went out, and whose second
+#: answer did not win: the first may have run (the second says nothing).
+_UNSURE = "connection broke after the command was sent; no answer to trust"
+
+
 async def _roundtrip(
     conn: Any, command: tuple[Any, ...], k: int, marks: list[float], over: list[bool]
 ) -> Any:
@@ -148,6 +153,8 @@ async def _call(
     # Clean-ups go as EVAL, as in sync.py: a frozen node may run them after the
     # caller stopped waiting, when no one would resend the source after NOSCRIPT.
     by_sha = not step.critical
+    #: Sent again after the connection broke once the command was written.
+    unsure = False
     try:
         for attempt in (1, 2):
             marks[k] = loop.time()
@@ -164,16 +171,21 @@ async def _call(
                     value = await _roundtrip(
                         conn, ("EVAL", step.script.source, *tail), k, marks, over
                     )
-                got[k] = NodeReply(value)
+                if unsure and not (step.wins is not None and step.wins(value)):
+                    # The first may have run: a release that did answers 0 when
+                    # sent again, which would read as "not held".
+                    got[k] = NodeReply(error=_UNSURE)
+                else:
+                    got[k] = NodeReply(value)
                 return
-            except _NotSent:
-                # Closed before anything was written: one more try on a new
-                # connection. An idle one the server closed is found when taken
-                # (the pool's check); one that breaks after the write fails the
-                # node, its command may have run (a release sent again would
-                # answer 0, read as "not held").
+            except redis.ConnectionError as exc:
+                # A pooled connection the server closed (a restart) is mostly found
+                # when taken (the pool's check), else when used: one more try on a
+                # new connection. If the command was written, it may have run: the
+                # second answer then counts only if it wins.
                 if attempt == 2:
                     raise
+                unsure = not isinstance(exc, _NotSent)
             finally:
                 await pool.release(conn)
     except _Ended:

@@ -41,7 +41,6 @@ from .address import (
     parse_node,
     tls_unverified,
 )
-from .keys import KINDS
 
 __all__ = [
     "DEFAULTS",
@@ -498,13 +497,6 @@ def _prefix_problem(prefix: object) -> str | None:
     glob = sorted(_GLOB_CHARACTERS.intersection(prefix))
     if glob:
         return f"contains the pattern character(s) {' '.join(glob)}"
-    kinds = sorted(KINDS.intersection(prefix.split(":")[1:]))
-    if kinds:
-        return (
-            f"has {', '.join(map(repr, kinds))} after a ':': its keys would be "
-            f"another prefix's ('{prefix.split(':')[0]}' with resources starting "
-            f"'{prefix.partition(':')[2]}:')"
-        )
     return None
 
 

@@ -13,7 +13,6 @@ import hashlib
 import re
 
 __all__ = [
-    "KINDS",
     "MAX_NAME_LENGTH",
     "MAX_RESOURCE_LENGTH",
     "check_not_hashed",
@@ -52,11 +51,6 @@ def check_resource(resource: object, limit: int = MAX_RESOURCE_LENGTH) -> str:
         raise ValueError(f"resource {resource!r} contains control characters")
     return resource
 
-
-#: The words after the prefix that say what a key holds: a prefix with one of them
-#: as a later ``:`` part would share keys with a shorter prefix ("app:lock" and
-#: resource "x" against "app" and resource "lock:x").
-KINDS = frozenset({"lock", "fence", "queue", "waiters", "ticket", "handoff"})
 
 #: The form a long name takes in keys (``key_name``): a name written that way
 #: would share another resource's keys.

@@ -80,6 +80,9 @@ __all__ = ["fanout", "run"]
 STALL_HOLD = 1.0
 #: Idle connections kept per node; more (a burst of threads) are closed on return.
 MAX_IDLE = 32
+#: A node whose connection broke after the command went out, and whose second
+#: answer did not win: the first may have run (the second says nothing).
+_UNSURE = "connection broke after the command was sent; no answer to trust"
 
 
 class _Idle:
@@ -186,7 +189,7 @@ def _command(step: Fanout, by_sha: bool) -> tuple[Any, ...]:
 class _Call:
     """One node's call in a fan-out: its connection and what was tried on it."""
 
-    __slots__ = ("conn", "direct", "idle", "index", "resent", "reused")
+    __slots__ = ("conn", "direct", "idle", "index", "resent", "reused", "unsure")
 
     def __init__(self, index: int, idle: _Idle, conn: Any, reused: bool) -> None:
         self.index = index
@@ -199,6 +202,9 @@ class _Call:
         self.resent = False
         #: Its replies are read straight into the hiredis reader (``wire.read``).
         self.direct = False
+        #: Sent again after the connection broke once the command was written: it
+        #: may have run the first time, so only a winning reply counts.
+        self.unsure = False
 
 
 class _Round:
@@ -391,10 +397,10 @@ class _Round:
         """Read one node's reply; say whether it is a winning one.
 
         A node that answers NOSCRIPT (restarted, or SCRIPT FLUSH) gets the source
-        once, and a reply not whole yet is waited for again. A connection that
-        breaks once its command went out fails the node: the command may have run
-        (a release that did would answer 0 if sent again, read as "not held");
-        idle connections the server closed are found before they are used.
+        once, and a reply not whole yet is waited for again. Idle connections the
+        server closed are mostly found before they are used; one that breaks once
+        its command went out is retried once on a new one, whose answer counts
+        only if it wins: the command may have run the first time.
         """
         i, conn = call.index, call.conn
         replies = self.replies
@@ -418,6 +424,19 @@ class _Round:
                 replies[i] = NodeReply(error=describe(exc))
                 return False
             call.reused, call.resent = False, True
+        except redis.ConnectionError as exc:
+            abort(conn)
+            if not call.reused or time.monotonic() >= self.deadline:
+                replies[i] = NodeReply(error=describe(exc))
+                return False
+            # Broke on a reused connection (a server restarted, a reset the poll
+            # at take time did not see yet): sent once more on a new one. The
+            # command may have run the first time, so the second reply counts only
+            # if it wins (a release that ran answers 0 when sent again: not "not
+            # held"). A timeout is not retried.
+            call.unsure = True
+            if not self._again(call, stalled=False):
+                return False
         except Exception as exc:
             abort(conn)
             late = final and isinstance(exc, redis.TimeoutError)
@@ -427,10 +446,14 @@ class _Round:
             if value is INCOMPLETE:  # the rest of it is waited for with the others
                 self._wait(call)
                 return False
-            replies[i] = NodeReply(value)
             _give(call.idle, conn)
             winning = self.step.wins
-            return winning is not None and bool(winning(value))
+            won = winning is not None and bool(winning(value))
+            if call.unsure and not won:
+                replies[i] = NodeReply(error=_UNSURE)
+                return False
+            replies[i] = NodeReply(value)
+            return won
         self._wait(call)
         return False
 

@@ -627,10 +627,12 @@ def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
             hold_for: float = hold_for,
         ) -> None:
             assert waiter.acquire(timeout=20)
+            began = time.monotonic()
             seen["validity"] = waiter.validity
             seen["pttl"] = [node.client().pttl(key) for node in nodes]
             time.sleep(hold_for)
             seen["lost"] = waiter.lost
+            seen["held"] = time.monotonic() - began
             waiter.release()
 
         async def atake(
@@ -639,10 +641,12 @@ def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
             hold_for: float = hold_for,
         ) -> None:
             assert await waiter.aacquire(timeout=20)
+            began = time.monotonic()
             seen["validity"] = waiter.validity
             seen["pttl"] = [node.client().pttl(key) for node in nodes]
             await asyncio.sleep(hold_for)
             seen["lost"] = waiter.lost
+            seen["held"] = time.monotonic() - began
             await waiter.arelease()
 
         events.clear()
@@ -666,7 +670,10 @@ def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
         if extended:
             assert len(extensions) == 1, events
             assert extensions[0]["validity"] > 9.0, extensions
-        else:
+        elif seen["held"] < seen["validity"] / 2:
+            # Released before half its handed lease: never extended. (Reading the
+            # keys inside the hold took a loaded CI host past that once; such a
+            # hold may rightly have been extended.)
             assert extensions == [], extensions
         assert not any(name == "lock_lost" for name, _ in events), events
 
