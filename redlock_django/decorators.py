@@ -43,6 +43,7 @@ function, class and mixin doors to it), hence a little over 500 lines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -59,7 +60,7 @@ from . import responses
 from .conf import check_seconds, get_settings
 from .exceptions import LockContentionError, QuorumUnavailableError
 from .lock import Redlock
-from .release import Held
+from .release import Held, release_rolled_back
 from .resources import RejectedError, Template, check_name, parse_template, render
 
 __all__ = [
@@ -297,6 +298,9 @@ class Guard:
     ) -> Any:
         """Run ``view`` under the lock from blocking code."""
         on_locked, on_unavailable = hooks or (self.on_locked, self.on_unavailable)
+        # An earlier hold of this thread whose transaction rolled back (a retry
+        # loop around atomic()) is released first: it may be this very lock.
+        release_rolled_back()
         lock = self._start(request, args, kwargs, view_name)
         if not isinstance(lock, Redlock):
             return lock
@@ -377,6 +381,9 @@ class Guard:
             if inspect.isawaitable(response):
                 response = await response
         except BaseException:
+            # Cancelled, or raising after it gave up on an await (wait_for, a
+            # task group): work it started in a thread may still run.
+            await _threads_finished(held)
             await held.arelease(raised=True)
             raise
         finally:
@@ -399,6 +406,43 @@ class Guard:
         if is_async:
             return self.acall(view, request, args, kwargs, view_name, hooks)
         return self.call(view, request, args, kwargs, view_name, hooks)
+
+
+def _nothing() -> None:
+    """Run in the request's thread-sensitive executor: done once its work is."""
+
+
+async def _after_the_executor() -> None:
+    with contextlib.suppress(Exception):  # an executor shut down: nothing runs
+        await sync_to_async(_nothing)()
+
+
+async def _threads_finished(held: Held) -> None:
+    """Wait for the work a view that raised or was cancelled left in threads.
+
+    Cancelling an ``await sync_to_async(...)`` (Django's async ORM) does not stop
+    the thread: the write goes on, and the lock must cover it. The request's
+    thread-sensitive executor runs one call at a time, so a call queued behind
+    it ends once that work has. Further cancellations wait for it too, for one
+    TTL at most (an executor shared with a request waiting for this very lock
+    would never run it): then the lock is released all the same, with a WARNING.
+    """
+    loop = asyncio.get_running_loop()
+    finished = asyncio.ensure_future(_after_the_executor())
+    ends = loop.time() + held.ttl
+    while not finished.done():
+        left = ends - loop.time()
+        if left <= 0:
+            logger.warning(
+                "redlock %r: view %s left work running in a thread for %.3fs "
+                "(its ttl); the lock is released while it runs",
+                held.lock.resource,
+                held.view_name,
+                held.ttl,
+            )
+            return
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({finished}, timeout=left)
 
 
 def guards_of(obj: object) -> tuple[Guard, ...]:

@@ -16,15 +16,27 @@ at once. Raising inside a request's transaction, it waits for that transaction's
 commit as well: a layer inside the transaction may turn the exception into a
 response (an error-handling decorator or mixin, Django's own 404) and the
 transaction then commits what the view wrote. It is released at that commit, or
-at ``request_finished`` after a rollback. The response's closer pickles to
+after a rollback at the first of: the next decorated view this thread runs
+(a retry loop around ``atomic()`` takes the same lock again),
+``got_request_exception`` (sent before a handler re-raises under
+``DEBUG_PROPAGATE_EXCEPTIONS``, when no ``request_finished`` follows),
+``request_finished``, or the next ``request_started`` on this thread. A hold
+whose transaction may still commit is not released early by the first, second
+and fourth (``request_finished`` releases a raised view's hold whatever is still
+open: a test's own transaction). Under ASGI, ``got_request_exception`` is sent on
+another thread and releases nothing. The response's closer pickles to
 nothing, so a cached response (``cache_page``) is stored without it. The lock
 covers the view call, not
 the streaming of a ``StreamingHttpResponse``'s content after it. A blocking lock
 is owned by the view's thread, which is where Django's WSGI and ASGI handlers
 close responses; a response closed on another thread (Django's test
-``AsyncClient`` does that) cannot release, and a WARNING says the lock is left
-to its lease. Async views release when they return, raise, or are cancelled
-(Django cancels the view's task when an ASGI client disconnects): Django refuses
+``AsyncClient`` does that) cannot release: its watchdog is stopped and a
+WARNING says the lock is left to its lease. Async views release when they
+return, raise, or are cancelled (Django cancels the view's task when an ASGI
+client disconnects); a cancelled view, or one that raised, first waits (one
+TTL at most) for the work it left running in the request's thread-sensitive
+executor (``sync_to_async``, Django's async ORM, given up on by ``wait_for``),
+which its cancellation does not stop and the lock must cover. Django refuses
 them under ``ATOMIC_REQUESTS``, but an ``atomic()`` opened by a sync middleware
 around an async view is not waited for (the lock is owned by the view's task,
 which ends before that transaction does): keep such views out of transactions.
@@ -45,9 +57,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.core.signals import request_finished, request_started
+from django.core.signals import (
+    got_request_exception,
+    request_finished,
+    request_started,
+)
 from django.db import connections, transaction
 
+from . import holds
 from .exceptions import LockLostError, LockNotOwnedError
 from .lock import Redlock
 
@@ -78,8 +95,31 @@ def _in_request() -> bool:
     return bool(getattr(_waiting_holds, "requests", 0))
 
 
+def release_rolled_back() -> None:
+    """Release this thread's holds whose transactions ended without committing.
+
+    A rollback drops the on-commit callbacks the holds wait for, and nothing else
+    may come to release them soon: the request goes on (a retry loop takes the
+    same lock again), or its handler re-raises (``DEBUG_PROPAGATE_EXCEPTIONS``)
+    and never sends ``request_finished``. A hold whose transaction may still
+    commit is left alone. Called before each decorated view takes its lock, at
+    ``got_request_exception`` and at ``request_started``.
+    """
+    waiting = getattr(_waiting_holds, "holds", None)
+    if not waiting:
+        return
+    for held in list(waiting):
+        if not held.may_still_commit():
+            held.release(raised=held.raised)
+
+
 def _started(sender: object, **kwargs: Any) -> None:
+    release_rolled_back()
     _waiting_holds.requests = getattr(_waiting_holds, "requests", 0) + 1
+
+
+def _raised(sender: object, **kwargs: Any) -> None:
+    release_rolled_back()
 
 
 def _release_when_finished(sender: object, **kwargs: Any) -> None:
@@ -105,6 +145,7 @@ request_started.connect(_started, dispatch_uid=f"{__name__}._started")
 request_finished.connect(
     _release_when_finished, dispatch_uid=f"{__name__}._release_when_finished"
 )
+got_request_exception.connect(_raised, dispatch_uid=f"{__name__}._raised")
 
 
 def _noop() -> None:
@@ -137,6 +178,8 @@ class Held:
         self.started = time.monotonic()
         #: The blocking API's owner is the thread that acquired.
         self.thread = threading.current_thread()
+        #: The hold's key in the registry, as acquired (settings may change).
+        self.identity = lock._resolve().identity
         self._done = False
         self._mutex = threading.Lock()
         self._waiting: set[str] = set()
@@ -199,6 +242,8 @@ class Held:
         if threading.current_thread() is not self.thread:
             # Only the owner can release. Django's handlers close responses on
             # the view's thread; its test AsyncClient does not.
+            # Its watchdog stops, or the lease would be extended up to MAX_HOLD.
+            self._stop_extending()
             logger.warning(
                 "redlock %r of view %s: the response was closed on another thread "
                 "than the view's, so the lock is left to expire within %.3fs",
@@ -211,6 +256,12 @@ class Held:
             self.lock.release()
         except Exception as exc:
             self._log_failure(exc, raised)
+
+    def _stop_extending(self) -> None:
+        """Halt the watchdog of the view thread's hold, from any thread."""
+        hold = holds.find(self.thread, self.identity)
+        if hold is not None and hold.watchdog is not None:
+            hold.watchdog.halt()
 
     async def arelease(self, *, raised: bool = False) -> None:
         """Release now from the acquiring task; log, never raise."""

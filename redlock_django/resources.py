@@ -38,7 +38,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest
 
-from .keys import MAX_RESOURCE_LENGTH
+from .keys import MAX_RESOURCE_LENGTH, check_not_hashed
 
 __all__ = [
     "MAX_VALUE_LENGTH",
@@ -292,7 +292,11 @@ def check_name(resource: str) -> str:
     char = _bad_character(resource, _FORBIDDEN_IN_NAME)
     if char is not None:
         raise RejectedError(f"the resource name contains {char!r}")
-    return resource
+    try:
+        # Values that are each fine may together spell a hashed long name's form.
+        return check_not_hashed(resource)
+    except ValueError as exc:
+        raise RejectedError(str(exc)) from None
 
 
 def render(
