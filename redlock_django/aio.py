@@ -250,9 +250,12 @@ async def fanout(
                         wins += winning(reply.value)
             if pending and need and wins >= need:
                 # Known outcome: give the other nodes a few round trips (as sync.py
-                # does), then stop waiting for a slow or hung one.
+                # does), then stop waiting for a slow or hung one; never past their
+                # NODE_TIMEOUT.
+                now = loop.time()
+                limit = max(marks[index[call]] for call in pending) + timeout
                 _, pending = await asyncio.wait(
-                    pending, timeout=grace(loop.time() - began)
+                    pending, timeout=max(0.0, min(grace(now - began), limit - now))
                 )
                 why = UNAWAITED
             # Replies that sit in socket buffers are read before any node is given

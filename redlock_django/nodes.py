@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import os
 import re
+import socket
 import threading
 import weakref
 from collections.abc import Sequence
@@ -237,10 +238,50 @@ def _forget_parent_clients() -> None:
     The lock is made anew, as a parent thread may have held it at the fork.
     """
     global _lock, _sync, _async
-    _inherited.append((_sync, dict(_async)))
+    inherited = dict(_async)
+    _inherited.append((_sync, inherited))
     _lock = threading.Lock()
     _sync = {}
     _async = weakref.WeakKeyDictionary()
+    _silence(inherited)
+
+
+def _silence(
+    inherited: dict[Any, dict[tuple[Any, ...], tuple[redis.asyncio.Redis, ...]]],
+) -> None:
+    """In a forked child: point the parent's asyncio connections at a dead socket.
+
+    A child that runs the event loop it inherited shares the parent's epoll
+    instance and sockets: its copy of a task caught mid fan-out (a watchdog's
+    extension) would read replies owed to the parent, which then misses them, and
+    closing its copy of a transport would remove the parent's registration. With
+    its descriptors on a socket whose peer is closed, the child reads an end of
+    file instead; the parent's sockets are untouched.
+    """
+    fds: list[int] = []
+    for per_loop in inherited.values():
+        for clients in per_loop.values():
+            for client in clients:
+                pool = client.connection_pool
+                conns = (
+                    *getattr(pool, "_available_connections", ()),
+                    *getattr(pool, "_in_use_connections", ()),
+                )
+                for conn in conns:
+                    writer = getattr(conn, "_writer", None)
+                    sock = None if writer is None else writer.get_extra_info("socket")
+                    with contextlib.suppress(OSError, ValueError, AttributeError):
+                        if sock is not None and sock.fileno() >= 0:
+                            fds.append(sock.fileno())
+    if not fds:
+        return
+    with contextlib.suppress(OSError):
+        dead, peer = socket.socketpair()
+        peer.close()
+        with dead:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.dup2(dead.fileno(), fd)
 
 
 os.register_at_fork(after_in_child=_forget_parent_clients)

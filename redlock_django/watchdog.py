@@ -58,7 +58,15 @@ class Watchdog:
             config.spec, self.hold.lease, config.max_hold, _clock, _jitter
         )
 
+    def _forked(self) -> bool:
+        """Whether this runs in a forked child (its copy of a watchdog task that
+        was mid-extension at the fork): the hold is the parent's, so the child
+        says nothing about it."""
+        return os.getpid() != self._pid
+
     def _report(self) -> None:
+        if self._forked():
+            return
         lease = self.hold.lease
         if lease.lost is not None:
             logger.error(
@@ -77,6 +85,8 @@ class Watchdog:
     def _crashed(self) -> None:
         """An unexpected error ended the extensions: the lease can no longer be
         trusted, so the holder learns it lost the lock."""
+        if self._forked():
+            return
         logger.exception("redlock %r watchdog failed", self.hold.config.spec.resource)
         self.hold.lease.lost = "the watchdog failed"
         report_lost(self.hold, self.hold.lease.lost, self._sender)
@@ -96,7 +106,7 @@ class Watchdog:
         self._thread.start()
 
     def _owner_gone(self) -> bool:
-        if os.getpid() != self._pid:
+        if self._forked():
             return True
         owner = self._owner()
         if owner is None:
@@ -109,6 +119,8 @@ class Watchdog:
         """Signal the watchdog's own extensions: the lease grew since the end of
         its last sleep (an owner's extend() or a confirmation meanwhile signalled
         itself, and is not counted: ``_baseline``)."""
+        if self._forked():
+            return
         lease = self.hold.lease
         grown = lease.valid_until > self._valid_until
         self._valid_until = lease.valid_until
