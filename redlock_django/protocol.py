@@ -610,6 +610,7 @@ def acquire_flow(
                     why = "held by another owner, no wait"
                 raise _error(LockContentionError, spec, why, len(won), failed)
             delay = retry_delay(spec, rand)
+            later = None  # the try time without the cap, should the first live on
             if place is not None and (ahead := behind_for(spec, replies)) is not None:
                 # Someone is ahead in the queue: it must take the lock before this
                 # waiter can, and the release that lets this one in wakes it. Only
@@ -619,14 +620,27 @@ def acquire_flow(
                 # the first entry expires if that one stopped being refreshed.
                 due = place.refresh_at - now if place.ticket else spec.queue_life / 3
                 delay = max(delay, min(due, ahead + BEHIND_SLACK))
+                if ahead > 0:
+                    # Never past that expiry, though the retry delay may be longer
+                    # than an entry's life: behind one that died it would be waited
+                    # out. An entry already expired (a holder's own, unrefreshed
+                    # while it holds) is no reason to retry sooner: the release
+                    # wakes this waiter. Each refresh of this waiter's entry
+                    # moves the cap on while that entry is refreshed too.
+                    if ahead + BEHIND_SLACK < delay:
+                        later = now + delay
+                    delay = min(delay, ahead + BEHIND_SLACK)
             if deadline is not None:
                 delay = min(delay, deadline - now)
+                if later is not None:
+                    later = min(later, deadline)
             if place is None:
-                # A driver answers a wait with True when a release ended it early.
-                woken = yield Sleep(delay, wake=spec.key)
+                # A driver answers a wait with True when a release ended it early;
+                # one it heard since this attempt started ends it at once.
+                woken = yield Sleep(delay, wake=spec.key, since=start)
             else:
                 woken = yield from _wait_in_queue(
-                    spec, place, now + delay, start, clock
+                    spec, place, now + delay, start, clock, later
                 )
             if woken:
                 wakeups += 1
@@ -725,17 +739,26 @@ def _ticketed(value: Any) -> bool:
     return isinstance(value, int) and value > 0
 
 
-def _enqueue(spec: LockSpec, place: _Place, ticket: int) -> Fanout:
+def _enqueue(
+    spec: LockSpec, place: _Place, ticket: int, report: bool = False
+) -> Fanout:
+    """ENQUEUE on every node; ``report``: reply with the place in line too."""
     assert spec.queue is not None
     # With the hand-off records: entries it drops as expired lose theirs too.
     keys = (*spec.queue, spec.records) if spec.records else spec.queue
+    args: tuple[Any, ...] = (place.waiter, ticket, ttl_ms(spec.queue_life))
     return Fanout(
         ENQUEUE_SCRIPT,
         keys,
-        (place.waiter, ticket, ttl_ms(spec.queue_life)),
+        (*args, "1") if report else args,
         need=spec.quorum,
-        wins=_ticketed,
+        wins=_placed if report else _ticketed,
     )
+
+
+def _placed(value: Any) -> bool:
+    """An ENQUEUE reply with the place in line: the entry was written."""
+    return queued_with(value) is not None
 
 
 def _take_place(
@@ -789,12 +812,19 @@ def _leave(spec: LockSpec, place: _Place, token: str) -> Fanout:
 
 
 def _wait_in_queue(
-    spec: LockSpec, place: _Place, try_at: float, since: float, clock: Clock
+    spec: LockSpec,
+    place: _Place,
+    try_at: float,
+    since: float,
+    clock: Clock,
+    later: float | None = None,
 ) -> Generator[Step, Any, Any]:
     """Queue (if not yet), then wait until ``try_at`` or a release that names us.
 
-    The entry is refreshed whenever it is due during the wait. Returns whether a
-    wake-up ended the wait.
+    The entry is refreshed whenever it is due during the wait. ``try_at`` capped
+    at the expiry of the first entry, ahead of ours, is moved on to that entry's
+    new expiry (up to ``later``, the uncapped time) when a refresh finds it
+    refreshed. Returns whether a wake-up ended the wait.
     """
     if not place.ticket:
         yield from _take_place(spec, place, clock)
@@ -809,8 +839,12 @@ def _wait_in_queue(
         if clock() >= try_at:
             return False  # the attempt refreshes the entry too
         if place.ticket and clock() >= place.refresh_at:
-            yield _enqueue(spec, place, place.ticket)
+            replies = yield _enqueue(spec, place, place.ticket, later is not None)
             place.refresh_at = clock() + spec.queue_life / 3
+            if later is not None:
+                ahead = behind_for(spec, replies)
+                if ahead is not None and ahead > 0:
+                    try_at = min(later, clock() + ahead + BEHIND_SLACK)
 
 
 def extend_flow(
@@ -829,6 +863,13 @@ def extend_flow(
     """
     if ttl <= 0:
         raise ValueError(f"ttl must be a positive number of seconds, not {ttl!r}")
+    if validity(ttl, 0.0, spec.drift_factor) <= 0:
+        # Sent, it would cut the lease on every node to a time that no reply,
+        # however fast, could confirm: the lock would be gone.
+        raise ValueError(
+            f"ttl ({ttl}s) is within the clock drift allowance "
+            f"({drift(ttl, spec.drift_factor):.3f}s): no reply could confirm it"
+        )
     start = clock()
     if lease.lost is not None or start >= lease.valid_until:
         why = lease.lost or "its lease already ran out"

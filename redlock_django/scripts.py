@@ -194,11 +194,14 @@ end
 
 # KEYS[1] queue; KEYS[2] waiters; KEYS[3] ticket counter; KEYS[4] (optional) the
 # hand-off records (see FAIR_ACQUIRE), which lose the dropped entries' records too
-# ARGV[1] waiter id; ARGV[2] ticket (0: draw one here); ARGV[3] entry life in ms
-# returns the ticket the entry was written with. Drawing INCRs the counter; writing
-# a given ticket raises the counter to at least it, so a later draw on this node
-# comes after it. Expired entries are dropped first; the three keys expire a while
-# after the last waiter stopped refreshing.
+# ARGV[1] waiter id; ARGV[2] ticket (0: draw one here); ARGV[3] entry life in ms;
+# ARGV[4] (optional, "1") reply as a FAIR_ACQUIRE refusal does, {0, ticket, entries
+# ahead, ms until the first entry expires unless refreshed}: a waiter behind
+# another learns at each refresh that the first one still refreshes its entry.
+# Otherwise returns the ticket the entry was written with. Drawing INCRs the
+# counter; writing a given ticket raises the counter to at least it, so a later
+# draw on this node comes after it. Expired entries are dropped first; the three
+# keys expire a while after the last waiter stopped refreshing.
 ENQUEUE_SCRIPT = Script(
     "enqueue",
     _NOW_MS
@@ -225,6 +228,11 @@ redis.call('zadd', KEYS[1], ticket, ARGV[1])
 redis.call('zadd', KEYS[2], now + life, ARGV[1])
 for i = 1, #KEYS do
   redis.call('pexpire', KEYS[i], life * 4)
+end
+if ARGV[4] == '1' then
+  local first = redis.call('zrange', KEYS[1], 0, 0)[1]
+  local left = tonumber(redis.call('zscore', KEYS[2], first) or '0') - now
+  return {0, ticket, redis.call('zrank', KEYS[1], ARGV[1]), left}
 end
 return ticket
 """,

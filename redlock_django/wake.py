@@ -60,14 +60,20 @@ logger = logging.getLogger(__name__)
 LINGER = 2.0
 #: Release ids remembered per channel: one release publishes on every node, and
 #: waking a waiter once per node would only send it retries that cannot win. A
-#: process's own channel carries the releases of every fair lock it waits for.
-SEEN = 32
+#: process's own channel carries the releases of every fair lock it waits for,
+#: many of them in flight at once: one forgotten before a majority reported it
+#: would wake nobody.
+SEEN = 512
 #: How long a waiter named by fewer than a majority of a release's messages waits
-#: for the rest before it is woken all the same: while two ticket draws race, the
-#: nodes may name different next waiters, and each tells only the process of the
-#: one it names, so no process hears a majority (the release's messages otherwise
-#: arrive within a fraction of a millisecond of each other).
-GRACE = 0.01
+#: for the rest before it is woken all the same. A release's messages may reach
+#: this process tens of milliseconds apart (a slow link to some nodes, a holder
+#: descheduled mid-release, many releases in flight at once, a busy reader), and
+#: an attempt made before the rest arrived is refused by the nodes still held:
+#: the hand-off is lost and the attempt wasted. Only when the nodes name different
+#: next waiters (their queues differ for a moment while two ticket draws race;
+#: each node tells only the process of the one it names) does no process hear a
+#: majority, and the lock waits this long for an attempt.
+GRACE = 0.1
 #: Shortest pause before re-acquiring a lock this process just released to waiters.
 HANDOFF_GRACE = 0.002
 
@@ -107,7 +113,9 @@ class SyncWatch(_Watch):
     def wait(self, seconds: float) -> Any:
         """Wait up to ``seconds``; return whether a wake-up ended the wait (or
         the hand-off it brought: ``_Watch.handed``)."""
-        woken = self._event.wait(seconds)
+        # A set() that races the timeout still counts: wait() can return False
+        # with the event set.
+        woken = self._event.wait(seconds) or self._event.is_set()
         # Cleared before the next attempt: a release during that attempt sets it
         # again, so the wait after a failed attempt does not miss it.
         self._event.clear()
@@ -135,7 +143,9 @@ class AsyncWatch(_Watch):
                 await self._event.wait()
             woken = True
         except TimeoutError:
-            woken = False
+            # A wake-up delivered while the loop was busy (the timeout expired by
+            # then too) is still a wake-up, with its hand-off.
+            woken = self._event.is_set()
         self._event.clear()
         return self._woken(woken)
 
@@ -327,8 +337,17 @@ class Hub:
                     del self._handed[next(iter(self._handed))]
                 self._handed.setdefault(key, {})[index] = details.decode()
             now = time.monotonic()
-            if len(reports[named]) >= need:
+            handing = len(self._handed.get((channel, release, named), ()))
+            if len(reports[named]) >= need and (
+                # Some nodes handed the lock over: the others, whose messages
+                # came first without a hand-off (a node that lost the waiter's
+                # record), cannot make it one; those still to come may.
+                not 0 < handing < self._quorum or len(reports[named]) >= subscribed
+            ):
                 names = {named}
+            elif len(reports[named]) >= need:
+                self._partial.setdefault((channel, release), now + GRACE)
+                return
             else:
                 everyone = set().union(*reports.values())
                 if len(everyone) < max(need, subscribed):

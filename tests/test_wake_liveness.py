@@ -1,0 +1,1074 @@
+"""Wake-ups (hub, reader threads) and fair-queue liveness under faults.
+
+Every fault is injected from outside: signals to waiter processes, CLIENT KILL of
+the reader's subscriber connections, FaultProxy, nodes killed or paused, fork().
+Bounds are generous (a 2-core host shared with other test runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
+from redlock_django import LockLostError, Redlock, signals, wake
+from redlock_django import nodes as nodes_module
+from redlock_django.conf import get_settings
+from redlock_django.keys import handoff_key, lock_key, queue_keys
+from redlock_django.protocol import QUEUE_LIFE
+
+pytestmark = pytest.mark.django_db(transaction=False)
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOW_RETRY = 30.0
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def spawn(nodes: NodeSet) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """``spawn(name, resource, *args, urls=None)``: one fair waiter process."""
+    started: list[subprocess.Popen[str]] = []
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), env.get("PYTHONPATH")])
+    )
+
+    def start(
+        name: str, resource: str, *extra: str, urls: list[str] | None = None
+    ) -> subprocess.Popen[str]:
+        urls = urls or [node.url for node in nodes]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests._fair_waiter", "--nodes", ",".join(urls),
+             "--resource", resource, "--name", name, *extra],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+        proc.communicate(timeout=10)
+
+
+def _queued(nodes: NodeSet, resource: str) -> list[int]:
+    queue = queue_keys(resource, "redlock")[0]
+    return [node.client().zcard(queue) for node in nodes]
+
+
+def _wait_until_queued(nodes: NodeSet, resource: str, count: int) -> None:
+    deadline = time.monotonic() + 20
+    while sum(1 for n in _queued(nodes, resource) if n >= count) < len(nodes):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never {count} queued: {_queued(nodes, resource)}")
+        time.sleep(0.01)
+
+
+def _holders(nodes: NodeSet, resource: str) -> list[bytes | None]:
+    key = lock_key(resource, "redlock")
+    return [node.client().hget(key, "token") for node in nodes]
+
+
+def _result(proc: subprocess.Popen[str], timeout: float = 40) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err
+    return json.loads(out.splitlines()[-1])
+
+
+def _wait_for(cond: Callable[[], bool], what: str, limit: float = 15.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.01)
+
+
+def _hub() -> wake.Hub:
+    config = get_settings()
+    return wake.hub(nodes_module.sync_pools(config.nodes, config.node_timeout))
+
+
+def _fair_channel() -> bytes:
+    config = Redlock("x", fair=True)._resolve()
+    return (config.spec.wake_head + wake.process_tag()).encode()
+
+
+def _kill_subscribers(nodes: NodeSet, which: range | list[int] | None = None) -> int:
+    """CLIENT KILL every pub/sub connection on the given nodes; return how many."""
+    killed = 0
+    for i, node in enumerate(nodes):
+        if which is not None and i not in which:
+            continue
+        client = node.client()
+        for c in client.client_list():
+            if int(c.get("sub", 0)) > 0 or int(c.get("psub", 0)) > 0:
+                with contextlib.suppress(Exception):
+                    client.client_kill_filter(_id=c["id"])
+                    killed += 1
+    return killed
+
+
+@pytest.fixture
+def acquisitions() -> Iterator[list[dict[str, Any]]]:
+    seen: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        seen.append(kwargs)
+
+    signals.lock_acquired.connect(receiver, weak=False)
+    try:
+        yield seen
+    finally:
+        signals.lock_acquired.disconnect(receiver)
+
+
+# ------------------------------------------------------------ dead / frozen waiters
+
+
+def test_a_killed_first_waiter_delays_a_slow_retrying_next_waiter_by_queue_life_only(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    spawn: Callable[..., Any],
+    hold: Callable[..., Redlock],
+) -> None:
+    """docs/fairness.md: a waiter that dies while first in line delays the others
+    by less than QUEUE_LIFE plus a round trip: "the next waiter tries again just
+    after that entry's expiry (each refusal told it when)". Step 3: a waiter behind
+    the first "tries again when its entry is due for a refresh ... or just after
+    the first entry expires". The next waiter here has a RETRY_DELAY (6 s) longer
+    than QUEUE_LIFE (2 s): it should still get the lock about QUEUE_LIFE after the
+    first waiter died, not after its own retry delay."""
+    resource = "rw:dead-head-slow-retry"
+    holder = hold(resource, fair=True)
+    first = spawn("first", resource, "--retry-delay", "0.05")
+    _wait_until_queued(nodes, resource, 1)
+    second = spawn("second", resource, "--retry-delay", "6")
+    _wait_until_queued(nodes, resource, 2)
+    time.sleep(0.3)  # both parked
+    os.kill(first.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    first.wait(5)
+    holder.release()
+    got = _result(second)
+    assert got["event"] == "acquired", got
+    delay = got["at"] - killed
+    assert delay < QUEUE_LIFE + 1.5, f"next waiter waited {delay:.2f}s"
+
+
+def test_a_waiter_behind_a_live_first_waiter_makes_no_attempt_until_woken(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    spawn: Callable[..., Any],
+    hold: Callable[..., Redlock],
+) -> None:
+    """The cap above is for a first waiter that stopped refreshing its entry. One
+    that lives keeps refreshing it: the waiter behind it (30 s retry) learns so
+    at its own refreshes and keeps waiting for the release, whose hand-off is its
+    only wake-up after the first one (its subscription's confirmation). It makes
+    no attempt of its own every QUEUE_LIFE while the lock is held three times
+    that long."""
+    resource = "rw:live-head-slow-retry"
+    holder = hold(resource, fair=True)
+    first = spawn("first", resource, "--retry-delay", str(SLOW_RETRY))
+    _wait_until_queued(nodes, resource, 1)
+    second = spawn("second", resource, "--retry-delay", str(SLOW_RETRY))
+    _wait_until_queued(nodes, resource, 2)
+    time.sleep(3 * QUEUE_LIFE)
+    holder.release()
+    a, b = _result(first), _result(second)
+    assert a["event"] == b["event"] == "acquired", (a, b)
+    assert a["at"] < b["at"]
+    for got in (a, b):
+        assert got["wakeups"] == got["attempts"] - 1 + got["handed"], got
+
+
+def test_a_frozen_waiter_handed_the_lock_never_holds_it_together_with_the_next(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    spawn: Callable[..., Any],
+    hold: Callable[..., Redlock],
+) -> None:
+    """The release hands the lock to a SIGSTOPped first waiter (its reader still
+    listens). The next waiter takes the lock once the handed lease ran out; the
+    frozen one is resumed while the next holds it. Their holds must not overlap:
+    the resumed waiter must not believe the stale hand-off is its grant."""
+    resource = "rw:frozen-handed"
+    holder = hold(resource, fair=True)
+    first = spawn("first", resource, "--retry-delay", "0.05", "--hold", "0.5")
+    _wait_until_queued(nodes, resource, 1)
+    second = spawn("second", resource, "--retry-delay", "0.05", "--hold", "2.5")
+    _wait_until_queued(nodes, resource, 2)
+    time.sleep(0.3)
+    os.kill(first.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    holder.release()
+    handed = _majority_token(nodes, resource)
+    assert handed is not None  # handed to the frozen waiter
+    # the next waiter got the lock: another token on a majority
+    _wait_for(lambda: _majority_token(nodes, resource) not in (None, handed),
+              "the second waiter holds", 10)  # fmt: skip
+    time.sleep(0.2)
+    os.kill(first.pid, signal.SIGCONT)
+    a, b = _result(first), _result(second)
+    assert a["event"] == b["event"] == "acquired", (a, b)
+    assert b["at"] - stopped < QUEUE_LIFE + 1.5, b["at"] - stopped
+    # no overlap: the first's hold starts after the second's 2.5 s hold ended
+    assert a["at"] >= b["at"] + 2.5 - 0.05, (a, b)
+
+
+def _majority_token(nodes: NodeSet, resource: str) -> bytes | None:
+    held = [h for h in _holders(nodes, resource) if h is not None]
+    for token in set(held):
+        if held.count(token) >= len(nodes) // 2 + 1:
+            return token.rsplit(b".", 1)[0]
+    return None
+
+
+# ------------------------------------------------------------ reader connection loss
+
+
+@pytest.mark.parametrize("how", ["client-kill", "node-restart"])
+def test_a_reader_whose_connections_dropped_reconnects_and_wakes_later_waiters(
+    how: str,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """A waiter is parked (30 s retry); every subscriber connection of the reader
+    is killed (CLIENT KILL) or the nodes restart. The reader must reconnect and
+    resubscribe; a release after that wakes the waiter at once."""
+    resource = "rw:reader-drop-" + how
+    holder = Redlock(resource)
+    assert holder.acquire(blocking=False)
+    waiter = Redlock(resource, retry_delay=SLOW_RETRY)
+    results: list[bool] = []
+    t = threading.Thread(target=lambda: results.append(waiter.acquire(timeout=40)))
+    t.start()
+    hub = _hub()
+    channel = lock_key(resource, "redlock").encode()
+    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+              "subscribed")  # fmt: skip
+    time.sleep(0.2)
+    if how == "client-kill":
+        assert _kill_subscribers(nodes) >= len(nodes)
+    else:
+        for node in nodes[:2]:  # a minority: the lock survives on the rest
+            node.crash_and_restart()
+        _kill_subscribers(nodes, [2, 3, 4])
+    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+              "resubscribed", 10)  # fmt: skip
+    released = time.monotonic()
+    holder.release()
+    t.join(40)
+    assert results == [True]
+    took = acquisitions[-1]["waited"]
+    assert time.monotonic() - released < 5, "woken only by the 30 s retry"
+    assert took < SLOW_RETRY
+
+
+@pytest.mark.parametrize("how", ["client-kill", "minority-restart"])
+def test_a_fair_waiter_whose_reader_was_killed_while_parked_is_woken_after_reconnect(
+    how: str,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """As above, a fair waiter (its process channel), with the hand-off."""
+    resource = "rw:fair-reader-drop"
+    holder = Redlock(resource, fair=True)
+    assert holder.acquire(blocking=False)
+    waiter = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+    results: list[bool] = []
+    t = threading.Thread(target=lambda: results.append(waiter.acquire(timeout=40)))
+    t.start()
+    _wait_until_queued(nodes, resource, 1)
+    hub = _hub()
+    channel = _fair_channel()
+    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+              "subscribed")  # fmt: skip
+    time.sleep(0.2)
+    if how == "client-kill":
+        assert _kill_subscribers(nodes) >= len(nodes)
+    else:
+        for node in nodes[:2]:
+            node.crash_and_restart()
+    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+              "resubscribed", 10)  # fmt: skip
+    released = time.monotonic()
+    holder.release()
+    t.join(40)
+    assert results == [True]
+    assert time.monotonic() - released < 5
+    assert acquisitions[-1]["handed"] is True
+
+
+def test_a_waiter_killed_right_after_it_was_handed_the_lock_delays_the_next_briefly(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    spawn: Callable[..., Any],
+    hold: Callable[..., Redlock],
+) -> None:
+    """The release hands the lock to the first waiter, which is SIGKILLed as soon
+    as it reports the lock (before its handed lease is extended to the TTL at half
+    of it). The handed lease is at most what was left of its queue entry: the next
+    waiter gets the lock within about QUEUE_LIFE."""
+    resource = "rw:killed-after-handoff"
+    holder = hold(resource, fair=True)
+    # A long retry delay: the first in line must get the lock handed over by the
+    # release, not win it with a retry of its own that crosses the release (then
+    # its lease is the whole TTL and the bound below does not apply).
+    first = spawn("first", resource, "--retry-delay", "30", "--hold", "30")
+    _wait_until_queued(nodes, resource, 1)
+    second = spawn("second", resource, "--retry-delay", "0.05")
+    _wait_until_queued(nodes, resource, 2)
+    time.sleep(0.3)
+    holder.release()
+    assert first.stdout is not None
+    line = json.loads(first.stdout.readline())
+    os.kill(first.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert line["event"] == "acquired" and line["handed"] is True, line
+    got = _result(second)
+    assert got["event"] == "acquired", got
+    assert got["at"] - killed < QUEUE_LIFE + 1.0, got["at"] - killed
+
+
+# ----------------------------------------------------------------------------- fork
+
+
+def test_a_forked_child_waits_with_its_own_reader_and_leaves_the_parents_wake_ups(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    hold: Callable[..., Redlock],
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """The parent has a fair waiter parked (its reader thread runs) when it forks.
+    The child waits for another fair lock: the parent's release wakes it through a
+    reader of the child's own (30 s retry otherwise). The parent's own waiter is
+    still woken by its release afterwards (the child consumed nothing of it)."""
+    a_holder = hold("rw:fork-a", fair=True)
+    b_holder = hold("rw:fork-b", fair=True)
+    parent_results: list[bool] = []
+    pw = Redlock("rw:fork-a", fair=True, retry_delay=SLOW_RETRY)
+
+    def parent_wait() -> None:
+        parent_results.append(pw.acquire(timeout=40))
+        if parent_results[-1]:
+            pw.release()
+
+    t = threading.Thread(target=parent_wait)
+    t.start()
+    _wait_until_queued(nodes, "rw:fork-a", 1)
+    hub = _hub()
+    channel = _fair_channel()
+    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+              "parent subscribed")  # fmt: skip
+    parent_tag = wake.process_tag()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        try:
+            os.close(r)
+            got: dict[str, Any] = {}
+
+            def on(**kwargs: Any) -> None:
+                got.update(handed=kwargs["handed"], wakeups=kwargs["wakeups"],
+                           attempts=kwargs["attempts"])  # fmt: skip
+
+            signals.lock_acquired.connect(on, weak=False)
+            lock = Redlock("rw:fork-b", fair=True, retry_delay=SLOW_RETRY)
+            began = time.monotonic()
+            ok = lock.acquire(timeout=40)
+            got.update(ok=ok, took=time.monotonic() - began, tag=wake.process_tag())
+            if ok:
+                lock.release()
+            os.write(w, json.dumps(got).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        _wait_until_queued(nodes, "rw:fork-b", 1)
+        time.sleep(0.5)  # the child's reader subscribed (else the retry would show)
+        # the parent's release first: its waiter must be woken at once
+        released = time.monotonic()
+        a_holder.release()
+        t.join(10)
+        assert parent_results == [True]
+        assert time.monotonic() - released < 5
+        b_holder.release()
+        _, status = os.waitpid(pid, 0)
+        data = b""
+        while chunk := os.read(r, 65536):
+            data += chunk
+    finally:
+        os.close(r)
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    child = json.loads(data)
+    assert child["ok"] is True
+    assert child["tag"] != parent_tag
+    assert child["took"] < 10, child  # woken, not its 30 s retry
+    assert child["wakeups"] >= 1, child
+
+
+# ------------------------------------------------------- many waiters, one process
+
+
+def test_many_fair_waiters_of_one_process_on_one_and_many_locks_are_each_served(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """Twelve waiters share one hub: six on one lock, six each on a lock of its
+    own. Every one is woken by the release it waits for (30 s retry otherwise),
+    the six on one lock in the order they queued, and the hub's counter of
+    watching waiters is back to 0 at the end."""
+    same = "rw:many-same"
+    others = [f"rw:many-{k}" for k in range(6)]
+    holders = {r: Redlock(r, fair=True) for r in [same, *others]}
+    for lock in holders.values():
+        assert lock.acquire(blocking=False)
+    order: list[int] = []
+    errors: list[BaseException] = []
+
+    def wait_same(k: int) -> None:
+        try:
+            lock = Redlock(same, fair=True, retry_delay=SLOW_RETRY)
+            assert lock.acquire(timeout=60)
+            order.append(k)
+            time.sleep(0.02)
+            lock.release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def wait_other(resource: str) -> None:
+        try:
+            lock = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+            assert lock.acquire(timeout=60)
+            lock.release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = []
+    for k in range(6):
+        t = threading.Thread(target=wait_same, args=(k,))
+        t.start()
+        threads.append(t)
+        _wait_until_queued(nodes, same, k + 1)
+    for resource in others:
+        t = threading.Thread(target=wait_other, args=(resource,))
+        t.start()
+        threads.append(t)
+        _wait_until_queued(nodes, resource, 1)
+    time.sleep(0.5)
+    began = time.monotonic()
+    for lock in holders.values():
+        lock.release()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert order == list(range(6))
+    assert time.monotonic() - began < 15, "someone slept out its 30 s retry"
+    assert len(acquisitions) == 7 + 12  # the holders and the waiters
+    for got in acquisitions:
+        assert got["waited"] < SLOW_RETRY, got
+    _wait_for(lambda: wake.watching() == 0, "no waiter watches any more", 5)
+
+
+# ------------------------------------------------ giving up while handed the lock
+
+
+def test_a_waiter_whose_timeout_races_the_hand_off_never_strands_the_lock(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+) -> None:
+    """The first waiter's timeout runs out around the moment the release hands it
+    the lock. Whatever it returns, the lock must end up with the next waiter (30 s
+    retry) promptly: a give-up deletes the lock handed to it and wakes the next,
+    and a success releases normally. Repeated with release times around the
+    deadline."""
+    slow: list[tuple[float, float]] = []
+    for k, offset in enumerate([-0.06, -0.03, -0.015, -0.005, 0.0, 0.005, 0.015,
+                                0.03, 0.06]):  # fmt: skip
+        resource = f"rw:timeout-race-{k}"
+        holder = Redlock(resource, fair=True)
+        assert holder.acquire(blocking=False)
+        first = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+        second = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+        outcome: dict[str, Any] = {}
+
+        def run_first(
+            first: Redlock = first, outcome: dict[str, Any] = outcome
+        ) -> None:
+            outcome["first"] = first.acquire(timeout=1.0)
+            outcome["first_done"] = time.monotonic()
+            if outcome["first"]:
+                first.release()
+
+        def run_second(
+            second: Redlock = second, outcome: dict[str, Any] = outcome
+        ) -> None:
+            outcome["second"] = second.acquire(timeout=40)
+            outcome["second_at"] = time.monotonic()
+            if outcome["second"]:
+                second.release()
+
+        began = time.monotonic()
+        t1 = threading.Thread(target=run_first)
+        t1.start()
+        _wait_until_queued(nodes, resource, 1)
+        t2 = threading.Thread(target=run_second)
+        t2.start()
+        _wait_until_queued(nodes, resource, 2)
+        pause = began + 1.0 + offset - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        holder.release()
+        t1.join(40)
+        t2.join(40)
+        assert outcome.get("second") is True, (offset, outcome)
+        lag = outcome["second_at"] - outcome["first_done"]
+        if lag > 3:
+            slow.append((offset, lag))
+        _wait_for(lambda r=resource: _holders(nodes, r) == [None] * len(nodes),
+                  "the lock is free", 5)  # fmt: skip
+    assert not slow, slow
+
+
+def test_asyncio_waiters_cancelled_around_the_hand_off_never_strand_the_lock(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+) -> None:
+    """An asyncio fair waiter is cancelled at various moments around the release
+    that hands it the lock; the next waiter (30 s retry) must get the lock
+    promptly, and no key may be left behind."""
+    slow: list[tuple[float, float, bool]] = []
+
+    async def one(k: int, offset: float) -> None:
+        resource = f"rw:acancel-{k}"
+        holder = Redlock(resource, fair=True)
+        assert await holder.aacquire(blocking=False)
+        first = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+        second = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+        got_first = False
+
+        async def run_first() -> None:
+            nonlocal got_first
+            assert await first.aacquire(timeout=20)
+            got_first = True
+            try:
+                await asyncio.sleep(0.05)
+            finally:
+                await first.arelease()
+
+        async def run_second() -> float:
+            assert await second.aacquire(timeout=40)
+            at = time.monotonic()
+            await second.arelease()
+            return at
+
+        t1 = asyncio.create_task(run_first())
+        while min(_queued(nodes, resource)) < 1:
+            await asyncio.sleep(0.01)
+        t2 = asyncio.create_task(run_second())
+        while min(_queued(nodes, resource)) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        await holder.arelease()
+        if offset > 0:
+            await asyncio.sleep(offset)
+        t1.cancel()
+        cancelled = time.monotonic()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t1
+        at = await asyncio.wait_for(t2, 40)
+        if at - cancelled > 3:
+            slow.append((offset, at - cancelled, got_first))
+        for _ in range(200):
+            if _holders(nodes, resource) == [None] * len(nodes):
+                break
+            await asyncio.sleep(0.02)
+        assert _holders(nodes, resource) == [None] * len(nodes), resource
+
+    async def main() -> None:
+        for k, offset in enumerate([0, 0, 0.0005, 0.001, 0.002, 0.004, 0.008]):
+            await one(k, offset)
+
+    asyncio.run(main())
+    assert not slow, slow
+
+
+# ------------------------------------- a release heard between an attempt and a wait
+
+
+def test_a_release_heard_between_a_refused_attempt_and_the_wait_ends_the_wait(
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """Hub.watch: "A release for it heard after monotonic time ``since`` wakes it
+    at once: the waiter's last attempt could not see it, and it was not yet
+    listening." The lock's channel is still subscribed in this process (an earlier
+    waiter left it less than LINGER ago). A (non-fair) waiter's first attempt is
+    refused; its reply from one node is late (held by a proxy), and while it waits
+    for it the holder releases: this process's reader hears the release. The
+    waiter then starts waiting: the release it could not see should end the wait
+    at once, not its 30 s retry delay (capped here by its 8 s timeout)."""
+    from redlock_django.scripts import ACQUIRE_SCRIPT
+
+    resource = "rw:gap"
+    with contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(FaultProxy(node.port)) for node in nodes]
+        settings.REDLOCK = {**redlock_settings, "NODES": [p.url for p in proxies],
+                            "NODE_TIMEOUT": 0.5}  # fmt: skip
+        hub = _hub()
+        channel = Redlock(resource)._resolve().spec.key.encode()
+        # An earlier waiter subscribes the channel, gets the lock, and leaves.
+        first_holder = Redlock(resource)
+        assert first_holder.acquire(blocking=False)
+        early = Redlock(resource, retry_delay=SLOW_RETRY)
+        got: list[bool] = []
+
+        def early_wait() -> None:
+            got.append(early.acquire(timeout=10))
+            early.release()
+
+        t = threading.Thread(target=early_wait)
+        t.start()
+        _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+                  "subscribed")  # fmt: skip
+        first_holder.release()
+        t.join(10)
+        assert got == [True]
+        # The channel lingers subscribed (LINGER); the lock is taken again.
+        holder = Redlock(resource)
+        assert holder.acquire(blocking=False)
+        assert all(hub.listening(i, channel) for i in range(len(nodes)))
+        proxies[4].hold_reply_to(ACQUIRE_SCRIPT.sha.encode(), count=1)
+        waiter = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
+        results: list[bool] = []
+        began = time.monotonic()
+        w = threading.Thread(target=lambda: results.append(waiter.acquire(timeout=8)))
+        w.start()
+        assert proxies[4].wait_for_held_replies(1, 5)
+        holder.release()  # heard by this process's reader at once
+        time.sleep(0.05)
+        proxies[4].release_held_replies()
+        w.join(20)
+        took = time.monotonic() - began
+        assert results == [True]
+        assert all(hub.listening(i, channel) for i in range(len(nodes)))
+        assert took < 4, f"the waiter slept {took:.2f}s although the lock was free"
+        with contextlib.suppress(Exception):
+            waiter.release()
+
+
+# ------------------------------------- many releases for one process at once
+
+
+def _burst(
+    nodes: NodeSet, acquisitions: list[dict[str, Any]], count: int
+) -> tuple[float, list[dict[str, Any]]]:
+    """``count`` fair locks, each with one waiter of this process parked (30 s
+    retry), released at the same moment by ``count`` holder threads. Returns how
+    long until every waiter had its lock, and the waiters' ``lock_acquired``."""
+    resources = [f"rw:burst-{count}-{k}" for k in range(count)]
+    barrier = threading.Barrier(count + 1)
+    go = threading.Event()
+    errors: list[BaseException] = []
+    lost: dict[str, LockLostError] = {}
+
+    def holder(resource: str) -> None:
+        try:
+            lock = Redlock(resource, fair=True)
+            # Nobody else wants these locks yet; a timeout, not blocking=False,
+            # so that a first attempt late on a busy host is tried again.
+            assert lock.acquire(timeout=10)
+            barrier.wait(30)
+            go.wait(60)
+            lock.release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def waiter(resource: str) -> None:
+        try:
+            lock = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+            assert lock.acquire(timeout=60)
+            try:
+                lock.release()
+            except LockLostError as exc:
+                # A handed lease is what was left of the waiter's queue entry
+                # (docs/fairness.md): a thread that reaches its grant late (256
+                # threads on 2 busy cores in CI) may hold little of it, and the
+                # release says honestly that it ran out. The waiter was woken and
+                # held its lock, which is what this test checks; a lost hold that
+                # was not handed over (a TTL of 10 s) fails below.
+                lost[resource] = exc
+        except BaseException as exc:
+            errors.append(exc)
+
+    holders = [threading.Thread(target=holder, args=(r,)) for r in resources]
+    for t in holders:
+        t.start()
+    barrier.wait(30)
+    waiters = [threading.Thread(target=waiter, args=(r,)) for r in resources]
+    for t in waiters:
+        t.start()
+    for r in resources:
+        _wait_until_queued(nodes, r, 1)
+    hub = _hub()
+    channel = _fair_channel()
+    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+              "subscribed")  # fmt: skip
+    time.sleep(1.0)
+    began = time.monotonic()
+    go.set()
+    for t in holders + waiters:
+        t.join(60)
+    assert not errors, errors
+    took = time.monotonic() - began
+    got = [a for a in acquisitions if a["resource"] in resources and a["attempts"]]
+    handed = {a["resource"] for a in got if a["handed"]}
+    assert set(lost) <= handed, {r: lost[r] for r in set(lost) - handed}
+    if lost:
+        print(f"{len(lost)} of {count} handed holds ran out before their release")
+    waited = [
+        {k: a[k] for k in ("resource", "handed", "attempts", "wakeups", "waited")}
+        for a in got
+        if a["waited"] > 0.5
+    ]
+    assert len(waited) == count, len(waited)
+    return took, waited
+
+
+@pytest.mark.parametrize("queue_life", [None, 30.0], ids=["default", "no-refresh"])
+def test_many_simultaneous_fair_releases_for_one_process_each_wake_their_waiter(
+    queue_life: float | None,
+    settings: Any,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """128 fair locks, one waiter of this process each (30 s retry), released at
+    once (more releases in flight than ``wake.SEEN`` was, 32): every release
+    names its waiter, so every waiter must be woken (with a hand-off or not) and
+    hold its lock within seconds. None may be left to sleep out its retry delay:
+    nothing was missed, every message reached this process's reader.
+    ("no-refresh": a QUEUE_LIFE of 30 s, so that no waiter's timed wait runs out
+    around the releases.)"""
+    if queue_life is not None:
+        settings.REDLOCK = {**redlock_settings, "QUEUE_LIFE": queue_life}
+    took, waited = _burst(nodes, acquisitions, 128)
+    stalled = [a for a in waited if a["waited"] - 1.0 > 8]
+    assert not stalled and took < 10, (round(took, 2), len(stalled), stalled[:3])
+
+
+def test_many_simultaneous_fair_releases_for_one_process_each_hand_over(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """Twenty-four fair locks released at once, each handing its lock to the waiter
+    it names (docs/fairness.md, "The hand-off"; none of the listed reasons for no
+    hand-off applies): every waiter should hold its lock handed over."""
+    took, waited = _burst(nodes, acquisitions, 24)
+    assert took < 10, (took, waited)
+    not_handed = [a for a in waited if not a["handed"]]
+    assert not not_handed, f"{len(not_handed)}/24 not handed: {not_handed[:4]}"
+
+
+@pytest.mark.parametrize(
+    "records", ["kept", "lost-on-the-fast-nodes"], ids=["records", "fast-lost"]
+)
+def test_a_fair_release_reaching_the_nodes_at_different_times_still_hands_over(
+    records: str,
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """The fair variant of test_wake's "release reaching the nodes at different
+    times": the holder reaches three of five nodes through proxies that hold its
+    requests 50 ms (a holder thread descheduled mid-release does the same). Every
+    node names the same waiter, and each hands it the lock: the waiter should hold
+    it handed over (docs/fairness.md: "the waiter holds it without an attempt of its
+    own"; "nodes that named different waiters" is the listed exception, not this),
+    not be woken by wake.GRACE after the first two messages into an attempt that
+    the still-held majority refuses. ("fast-lost": the two fast nodes lost the
+    waiter's hand-off record, as a node restarted empty does, so their messages
+    name it without a hand-off; the three late ones still hand it over.)"""
+    resource = "rw:fair-partial"
+    with contextlib.ExitStack() as stack:
+        slow = [stack.enter_context(FaultProxy(node.port)) for node in list(nodes)[2:]]
+        urls = [node.url for node in list(nodes)[:2]] + [proxy.url for proxy in slow]
+        holder = Redlock(resource, nodes=urls, fair=True)
+        assert holder.acquire(blocking=False)
+        waiter = Redlock(resource, fair=True, retry_delay=SLOW_RETRY, retry_jitter=0)
+        assert waiter._resolve().spec.key == holder._resolve().spec.key
+        results: list[bool] = []
+
+        def wait() -> None:
+            results.append(waiter.acquire(timeout=20))
+            waiter.release()
+
+        t = threading.Thread(target=wait)
+        t.start()
+        _wait_until_queued(nodes, resource, 1)
+        hub = _hub()
+        channel = _fair_channel()
+        _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+                  "subscribed")  # fmt: skip
+        time.sleep(0.3)
+        if records != "kept":
+            for node in list(nodes)[:2]:
+                assert node.client().delete(handoff_key(resource, "redlock")) == 1
+        for proxy in slow:
+            proxy.delay(0, requests=0.05)
+        holder.release()
+        t.join(20)
+    assert results == [True]
+    got = [a for a in acquisitions if a["lock"] is waiter][-1]
+    seen = {k: got[k] for k in ("handed", "attempts", "wakeups", "waited")}
+    assert got["handed"] is True, seen
+    # its first refused attempt, and at most one more after its subscription's
+    # confirmation woke it (tests/test_fair.py allows the same)
+    assert got["attempts"] <= 2, seen
+
+
+# ------------------------------------- asyncio: a wake-up that meets the wait's timer
+
+
+def test_an_asyncio_hand_off_delivered_while_the_loop_was_busy_is_not_dropped(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """An asyncio fair waiter (30 s retry, first in line) is parked; its event loop
+    is then busy for 0.9 s (a blocking call in some other task), long enough for
+    its wait's refresh timer to fall due. During that time the holder releases and
+    hands it the lock; the reader delivers the hand-off and wakes the waiter
+    (``AsyncWatch.fire``). When the loop runs again, the waiter must take the lock
+    it was handed (or at least try at once): the wake-up was heard. It must not
+    go on sleeping towards its 30 s retry while the whole queue waits."""
+    resource = "rw:async-busy-loop"
+    holder = Redlock(resource, fair=True)
+    assert holder.acquire(blocking=False)
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    waiter = Redlock(resource, fair=True, retry_delay=SLOW_RETRY, retry_jitter=0)
+
+    async def take() -> float:
+        assert await waiter.aacquire(timeout=12)
+        at = time.monotonic()
+        await waiter.arelease()
+        return at
+
+    try:
+        future = asyncio.run_coroutine_threadsafe(take(), loop)
+        _wait_until_queued(nodes, resource, 1)
+        hub = _hub()
+        channel = _fair_channel()
+        _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+                  "subscribed")  # fmt: skip
+        time.sleep(0.5)  # parked, past its subscription's confirmation
+        # Busy longer than a refresh period (QUEUE_LIFE / 3), well within the
+        # handed lease (at least QUEUE_LIFE * 2 / 3 at the release).
+        loop.call_soon_threadsafe(time.sleep, 0.9)
+        time.sleep(0.15)
+        released = time.monotonic()
+        holder.release()
+        at = future.result(timeout=40)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
+    got = [a for a in acquisitions if a["lock"] is waiter][-1]
+    seen = {k: got[k] for k in ("handed", "attempts", "wakeups", "waited")}
+    assert at - released < 5, (at - released, seen)
+
+
+def test_a_frozen_first_waiter_resumed_within_its_handed_lease_takes_the_lock(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    spawn: Callable[..., Any],
+    hold: Callable[..., Redlock],
+) -> None:
+    """The thread flavour of the busy loop: the first waiter's process (30 s retry)
+    is frozen with SIGSTOP for 1 s, across its refresh timer; the release during
+    the freeze hands it the lock (its reader still listens). Resumed well within
+    the handed lease, its reader reads the hand-off and wakes it: it should hold
+    the lock at once, not sleep on towards its retry (capped by an 8 s timeout)
+    while everyone behind it waits. Repeated: the wake-up races the timer."""
+    stalls = []
+    for k in range(4):
+        resource = f"rw:frozen-resumed-{k}"
+        holder = hold(resource, fair=True)
+        first = spawn("first", resource, "--retry-delay", str(SLOW_RETRY),
+                      "--timeout", "8")  # fmt: skip
+        _wait_until_queued(nodes, resource, 1)
+        time.sleep(0.8)  # parked, past its subscription's confirmation
+        os.kill(first.pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        holder.release()
+        time.sleep(0.7)
+        os.kill(first.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        got = _result(first)
+        if got["event"] != "acquired" or got["at"] - resumed > 3:
+            stalls.append((k, got, got.get("at", 0) - resumed))
+    assert not stalls, stalls
+
+
+def test_forty_fair_releases_in_flight_at_once_for_one_process_wake_every_waiter(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """Forty fair locks, one waiter of this process each (30 s retry). The holders
+    are tasks of one event loop that release all forty at once; they reach nodes
+    2, 3 and 4 through proxies that hold requests 0.1, 0.2 and 0.3 s (slow links:
+    each release's messages come from nodes 0-1 first, then one node at a time).
+    Every release names its waiter, and every message reaches this process's
+    reader: every waiter must be woken and hold its lock within seconds, not
+    sleep out its 30 s retry."""
+    count = 40
+    resources = [f"rw:inflight-{k}" for k in range(count)]
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    errors: list[BaseException] = []
+    with contextlib.ExitStack() as stack:
+        slow = [stack.enter_context(FaultProxy(node.port)) for node in list(nodes)[2:]]
+        urls = [node.url for node in list(nodes)[:2]] + [proxy.url for proxy in slow]
+        go = asyncio.Event()
+
+        async def hold_all() -> None:
+            locks = [Redlock(r, fair=True, nodes=urls) for r in resources]
+
+            async def one(lock: Redlock) -> None:
+                # Blocking: forty first attempts at once, three nodes through the
+                # proxies' threads, can miss NODE_TIMEOUT on a busy host (CI).
+                assert await lock.aacquire(timeout=10)
+                await go.wait()
+                await lock.arelease()
+
+            tasks = [asyncio.create_task(one(lock)) for lock in locks]
+            await asyncio.gather(*tasks)
+
+        holding = asyncio.run_coroutine_threadsafe(hold_all(), loop)
+        for r in resources:
+            _wait_for(lambda r=r: all(h is not None for h in _holders(nodes, r)),
+                      "held")  # fmt: skip
+
+        def waiter(resource: str) -> None:
+            try:
+                lock = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+                assert lock.acquire(timeout=60)
+                lock.release()
+            except BaseException as exc:
+                errors.append(exc)
+
+        waiters = [threading.Thread(target=waiter, args=(r,)) for r in resources]
+        for t in waiters:
+            t.start()
+        for r in resources:
+            _wait_until_queued(nodes, r, 1)
+        hub = _hub()
+        channel = _fair_channel()
+        _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+                  "subscribed")  # fmt: skip
+        time.sleep(1.0)
+        for k, proxy in enumerate(slow, start=1):
+            proxy.delay(0, requests=0.1 * k)  # nodes 2, 3, 4: 0.1, 0.2, 0.3 s late
+        began = time.monotonic()
+        loop.call_soon_threadsafe(go.set)
+        holding.result(30)
+        for t in waiters:
+            t.join(60)
+    loop.call_soon_threadsafe(loop.stop)
+    runner.join(5)
+    loop.close()
+    assert not errors, errors
+    took = time.monotonic() - began
+    stalled = [
+        {k: a[k] for k in ("resource", "handed", "attempts", "wakeups", "waited")}
+        for a in acquisitions
+        if a["resource"] in resources and a["waited"] > 9
+    ]
+    assert not stalled and took < 10, (round(took, 2), len(stalled), stalled[:3])
+
+
+def test_waiters_behind_a_holder_kept_past_queue_life_sleep_instead_of_polling(
+    redlock_settings: dict[str, Any],
+    settings: Any,
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """A waiter that was handed the lock keeps its queue entry at the head while
+    it holds, unrefreshed: QUEUE_LIFE later the entry has expired, and the
+    refusals the waiters behind get (-1, held) still count it ahead of them with
+    no life left. Those waiters must keep sleeping (a release wakes them), not
+    retry every BEHIND_SLACK: here the holder keeps the lock 2 s, three times
+    QUEUE_LIFE, and the waiter behind must not try more than its retry delay
+    allows (0.2 s: about 10 attempts)."""
+    settings.REDLOCK = {
+        **redlock_settings,
+        "FAIR": True,
+        "QUEUE_LIFE": 0.6,
+        "RETRY_DELAY": 0.2,
+        "RETRY_JITTER": 0.0,
+    }
+    resource = "rw:long-hold"
+    first = Redlock(resource)
+    assert first.acquire(blocking=False)
+    second = Redlock(resource)
+    third = Redlock(resource)
+    held = threading.Event()
+    results: list[bool] = []
+
+    def hold_long() -> None:
+        results.append(second.acquire(timeout=20))
+        held.set()
+        time.sleep(2.0)
+        second.release()
+
+    def wait_behind() -> None:
+        results.append(third.acquire(timeout=20))
+        third.release()
+
+    holder = threading.Thread(target=hold_long)
+    holder.start()
+    _wait_until_queued(nodes, resource, 1)
+    first.release()
+    assert held.wait(10)
+    behind = threading.Thread(target=wait_behind)
+    behind.start()
+    holder.join(20)
+    behind.join(20)
+    assert results == [True, True]
+    got = [a for a in acquisitions if a["lock"] is third][-1]
+    assert got["attempts"] <= 20, {k: got[k] for k in ("attempts", "wakeups")}
