@@ -23,6 +23,7 @@ import random
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
@@ -59,6 +60,9 @@ from .watchdog import Watchdog
 __all__ = ["Redlock"]
 
 logger = logging.getLogger(__name__)
+#: Guards every Redlock's record of open ``async with`` blocks (``_entered``): one
+#: object may be used from several threads' event loops.
+_entered_lock = threading.Lock()
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -133,6 +137,9 @@ class Redlock:
         self.node_timeout = node_timeout
         self.drift_factor = drift_factor
         self.fair = fair
+        #: The tasks that entered ``async with`` on this object and have not
+        #: exited it yet, in order (see ``__aexit__``).
+        self._entered: list[weakref.ref[asyncio.Task[Any]]] = []
         self._config: Config | None = None
         self._config_from: RedlockSettings | None = None
 
@@ -409,10 +416,12 @@ class Redlock:
         except BaseException:
             hold = self._forget_grant(owner, config, grant)
             outcome, start = None, _clock()
-            with contextlib.suppress(Exception):
-                flow = self._release_flow(hold)
-                outcome = sync.run(flow, pools, config.node_timeout)
-            self._let_go_of_grant(hold, outcome, _clock() - start, announced)
+            try:
+                with contextlib.suppress(Exception):
+                    flow = self._release_flow(hold)
+                    outcome = sync.run(flow, pools, config.node_timeout)
+            finally:  # interrupted again meanwhile: still paired
+                self._let_go_of_grant(hold, outcome, _clock() - start, announced)
             raise
         return True
 
@@ -577,11 +586,13 @@ class Redlock:
         except BaseException:
             hold = self._forget_grant(owner, config, grant)
             outcome, start = None, _clock()
-            with contextlib.suppress(Exception):
-                flow = self._release_flow(hold)
-                run = aio.run(flow, clients, config.node_timeout)
-                outcome = await aio.complete(run)
-            self._let_go_of_grant(hold, outcome, _clock() - start, announced)
+            try:
+                with contextlib.suppress(Exception):
+                    flow = self._release_flow(hold)
+                    run = aio.run(flow, clients, config.node_timeout)
+                    outcome = await aio.complete(run)
+            finally:  # cancelled meanwhile (complete() ran it to its end): paired
+                self._let_go_of_grant(hold, outcome, _clock() - start, announced)
             raise
         return True
 
@@ -592,11 +603,22 @@ class Redlock:
         task of its own: cancelling the caller, once or many times, never cuts it
         short; the cancellation is raised once the clean-up has ended.
         """
-        owner = holds.async_owner("release")
+        await self._arelease_as(holds.async_owner("release"))
+
+    async def _arelease_as(self, owner: object) -> None:
+        """``arelease()`` of ``owner``'s hold."""
         hold = self._start_release(owner)
         if hold is None:
             return
-        await aio.complete(self._arelease_hold(owner, hold))
+        try:
+            await aio.complete(self._arelease_hold(owner, hold))
+        except BaseException:
+            # The release's own task ended early (cancelled by a sweep of every
+            # task, as asyncio.Runner's close does) or failed: it may have run on
+            # the nodes, so the hold is no longer trusted, as in release().
+            if hold.lease.lost is None and holds.find(owner, hold.config.identity):
+                hold.lease.lost = "its release was interrupted"
+            raise
 
     async def _arelease_hold(self, owner: object, hold: Hold) -> None:
         confirm.cancel(hold)
@@ -630,6 +652,9 @@ class Redlock:
 
     async def __aenter__(self) -> Redlock:
         await self._aacquire(raise_on_contention=True)
+        task = holds.async_owner("acquire")
+        with _entered_lock:
+            self._entered.append(weakref.ref(cast("asyncio.Task[Any]", task)))
         return self
 
     async def __aexit__(
@@ -638,10 +663,42 @@ class Redlock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        owner = holds.async_owner("release")
+        entered = self._exited_by(owner)
         try:
-            await self.arelease()
+            if entered is owner:
+                await self.arelease()
+            else:
+                # The block ends in another task than the one that entered it:
+                # an async generator closed by the loop's finalizer, or by a task
+                # that took it over. Its hold is released as its entry's.
+                await self._arelease_as(entered)
         except LockLostError as lost:
             self._exit(exc, lost)
+
+    def _exited_by(self, owner: object) -> object:
+        """The task whose ``async with`` on this object the exit in ``owner``
+        ends: ``owner`` if it entered one; else the only other task with an open
+        block here; else ``owner`` (ambiguous: nothing is released for another).
+        A block whose task is gone (its hold went with it) may be the one ending:
+        then no other task's hold is released either."""
+        with _entered_lock:
+            entered = self._entered
+            tasks = [ref() for ref in entered]
+            mine = [i for i, task in enumerate(tasks) if task is owner]
+            if mine:
+                del entered[mine[-1]]
+                return owner
+            dead = [i for i, task in enumerate(tasks) if task is None]
+            if dead:
+                del entered[dead[-1]]
+                return owner
+            others = {id(task): task for task in tasks if task is not None}
+            if len(others) != 1:
+                return owner
+            (chosen,) = others.values()
+            del entered[max(i for i, task in enumerate(tasks) if task is chosen)]
+            return chosen
 
     # The current owner's view of its hold: local, no network.
 

@@ -538,3 +538,188 @@ def test_an_acquire_interrupted_after_the_grant_leaves_no_hold_and_no_keys(
         "depth inside the next with": 1,
         "nodes holding it after every with ended": 0,
     }, f"{left_on}/5 nodes held it after the interrupted acquire"
+
+
+# A block entered in an async generator ends in whichever task closes it.
+
+
+@pytest.mark.parametrize("closed_by", ["aclose-in-another-task", "dropped"])
+async def test_an_async_generators_hold_is_released_by_the_task_that_closes_it(
+    redlock_settings: dict[str, Any], nodes: NodeSet, closed_by: str
+) -> None:
+    """``async with`` inside an async generator: a consumer that stops early leaves
+    the generator to be closed by another task (the loop's finalizer schedules
+    ``aclose()`` in a task of its own for a dropped generator; a streaming
+    response abandoned on disconnect is one). The block's exit there releases the
+    hold its entry took (old code: ``LockNotOwnedError`` in that task, the hold
+    left registered to the consumer, its watchdog extending the lock until
+    ``MAX_HOLD``)."""
+    released: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        released.append(kwargs)
+
+    signals.lock_released.connect(receiver)
+
+    async def rows() -> Any:
+        async with Redlock("agen", ttl=1, auto_extend=True):
+            yield 1
+            yield 2
+
+    try:
+        if closed_by == "dropped":
+
+            async def consume() -> None:
+                async for _ in rows():
+                    break
+
+            await consume()
+        else:
+            agen = rows()
+            assert await agen.__anext__() == 1
+            await asyncio.create_task(agen.aclose())
+        for _ in range(50):
+            if released:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.5)  # past the TTL: no watchdog keeps it
+        assert held_on(nodes, "agen") == 0
+        assert [r["resource"] for r in released] == ["agen"]
+        # This task holds nothing: a new block here is a fresh acquisition.
+        async with Redlock("agen") as again:
+            assert again.depth == 1
+    finally:
+        signals.lock_released.disconnect(receiver)
+
+
+async def test_closing_a_generator_whose_task_is_gone_releases_no_other_tasks_hold(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A task enters ``async with`` in an async generator and ends, the
+    generator kept open; its lease runs out. Another task then holds the lock
+    through the same object, inside its own block, when the generator is
+    closed: that exit ends the gone task's block, and must not release the
+    other task's hold (while it still runs its critical section)."""
+    import gc
+
+    lock = Redlock("agen-gone", ttl=0.5)
+
+    async def rows() -> Any:
+        async with lock:
+            yield 1
+            yield 2
+
+    kept = rows()
+
+    async def first() -> None:
+        assert await kept.__anext__() == 1
+
+    await asyncio.create_task(first())
+    gc.collect()  # the task object is gone; its hold went with it
+    await asyncio.sleep(0.7)  # its lease ran out on the nodes
+    inside = asyncio.Event()
+    done = asyncio.Event()
+
+    async def second() -> None:
+        async with lock:
+            inside.set()
+            await done.wait()
+
+    holder = asyncio.create_task(second())
+    await inside.wait()
+    with contextlib.suppress(LockError):
+        await asyncio.create_task(kept.aclose())
+    held = held_on(nodes, "agen-gone")
+    done.set()
+    await holder
+    assert held == len(nodes), "the second task's hold was released under it"
+    assert held_on(nodes, "agen-gone") == 0
+
+
+async def test_a_release_whose_own_task_is_cancelled_leaves_no_hold_to_re_enter(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """``arelease()`` runs the release in a task of its own; a sweep that cancels
+    every task (``asyncio.Runner`` closing, a "cancel all" shutdown) may cancel
+    that task itself while its fan-out is under way (replies 0.3 s late). The
+    release may have reached the nodes: a caller that goes on (it caught the
+    cancellation) must not re-enter the hold without asking the nodes (old code:
+    ``aacquire(blocking=False)`` returned True at depth 2, with no network call,
+    as the blocking ``release()`` interrupted does not)."""
+    with contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(FaultProxy(node.port)) for node in nodes]
+        lock = Redlock("cancel-own-release", nodes=[p.url for p in proxies], ttl=10)
+        outcome: list[Any] = []
+
+        async def owner() -> None:
+            assert await lock.aacquire(blocking=False)
+            for proxy in proxies:
+                proxy.delay(0.3)
+            try:
+                await lock.arelease()
+            except asyncio.CancelledError:
+                outcome.append("cancelled")
+            for proxy in proxies:
+                proxy.pass_through()
+            outcome.append(await lock.aacquire(blocking=False))
+            outcome.append(lock.depth)
+
+        task = asyncio.create_task(owner())
+        await asyncio.sleep(0.1)
+        inner = [
+            t for t in asyncio.all_tasks() if "_arelease_hold" in repr(t.get_coro())
+        ]
+        assert len(inner) == 1, [repr(t.get_coro()) for t in asyncio.all_tasks()]
+        inner[0].cancel()
+        await asyncio.wait_for(task, 10)
+        assert outcome[0] == "cancelled", outcome
+        assert outcome[2] != 2, f"re-entered the interrupted release's hold: {outcome}"
+        with contextlib.suppress(Exception):
+            await lock.arelease()
+
+
+async def test_an_acquire_undone_after_its_grant_and_cancelled_meanwhile_is_paired(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A ``lock_acquired`` receiver raises a ``BaseException`` (``SystemExit``, a
+    Celery soft time limit): ``aacquire()`` undoes the grant, releasing on the
+    nodes, and the task is cancelled while that release waits for its replies
+    (0.3 s late). The release still ends on the nodes, and ``lock_released``
+    pairs the ``lock_acquired`` already sent, as without the cancellation (old
+    code: no ``lock_released``, so a receiver counting holds, the
+    ``redlock_held`` gauge, stays one too high)."""
+    resource = "holds:undo-cancelled"
+    acquired: list[Any] = []
+    released: list[Any] = []
+
+    def raising_receiver(**kwargs: Any) -> None:
+        acquired.append(kwargs["resource"])
+        if kwargs["resource"] == resource:
+            for proxy in proxies:
+                proxy.delay(0.3)
+            raise _Abort("receiver gave up")
+
+    def on_released(**kwargs: Any) -> None:
+        released.append(kwargs["resource"])
+
+    with contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(FaultProxy(node.port)) for node in nodes]
+        lock = Redlock(resource, nodes=[p.url for p in proxies])
+        signals.lock_acquired.connect(raising_receiver, weak=False)
+        signals.lock_released.connect(on_released, weak=False)
+        try:
+            task = asyncio.create_task(lock.aacquire(blocking=False))
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if acquired:
+                    break
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises((asyncio.CancelledError, _Abort)):
+                await task
+        finally:
+            signals.lock_acquired.disconnect(raising_receiver)
+            signals.lock_released.disconnect(on_released)
+    assert acquired == [resource]
+    assert released == [resource]
+    assert held_on(nodes, resource) == 0
