@@ -47,7 +47,10 @@ one coarser lock used everywhere). Each token writes a row at most once, so put
 every field of one change in one call; a replay of the same write is refused.
 Writes that bypass ``fenced_update`` (``update()``, ``save()`` of other fields)
 leave the token as it is, unseen by the comparison: write fenced fields only
-through it.
+through it. A plain ``save()`` (or ``bulk_update()``) writes every field as the
+instance holds it, the token too: a stale instance saved takes the row's token
+back to the one it was read with. Never ``save()`` a fenced row without
+``update_fields`` that leave the token out.
 
 Errors::
 
@@ -407,6 +410,12 @@ def _update(rows: models.QuerySet[Any], attname: str, changes: dict[str, Any]) -
             "lock a distinct() or aggregated queryset's rows (SELECT ... FOR UPDATE "
             "refuses them): filter without distinct() or annotations"
         )
+    # Where update() would write (a router's database for writes, not the one it
+    # reads from): the lock, the keys and the write in one transaction there.
+    chosen = getattr(rows, "_db", None)  # using(): Django's own attribute
+    rows = rows.using(
+        chosen or router.db_for_write(model, **getattr(rows, "_hints", {}))
+    )
     with transaction.atomic(using=rows.db):
         locked = _model_rows(rows).select_for_update(**_lock_of(rows, attname))
         keys = {row.pk for row in locked.only(attname)}

@@ -13,7 +13,8 @@ Meanwhile:
 - SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to the wrapper are
   forwarded to the job; the wrapper keeps the lock until the job has ended. Sent
   while the wrapper still waits for the lock, they end the wait: the command is
-  not started and the run ends with 128+N.
+  not started and the run ends with 128+N. One ignored when the wrapper started
+  (``nohup``) stays ignored, by the job too.
 - The lease lost (the watchdog could not extend it on a quorum in time): the job
   gets SIGTERM, an ERROR log line says why, and the run ends with ``EXIT_LOST``.
 - ``max_hold`` reached: the job gets SIGTERM (the lock is still held until it
@@ -131,6 +132,9 @@ exit codes:
   {EXIT_NOT_FOUND}    COMMAND was not found
 """
 
+#: Forwarded signals that stay ignored, by the wrapper and the command, when the
+#: wrapper starts with them ignored.
+_KEPT_IGNORED = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGQUIT})
 FORWARDED_SIGNALS = (
     signal.SIGTERM,
     signal.SIGINT,
@@ -484,6 +488,13 @@ class Runner:
         """Catch the forwarded signals; note the handlers they replace in
         ``previous`` one by one (a signal may come half-way)."""
         for signum in FORWARDED_SIGNALS:
+            if signum in _KEPT_IGNORED and signal.getsignal(signum) == signal.SIG_IGN:
+                # Ignored when this process started (nohup; SIGINT and SIGQUIT
+                # of a background job): the command inherits the ignore, as a
+                # shell's command would, and neither is ended by it. Not SIGTERM:
+                # the wrapper stops the command with it (a lost lock, the
+                # wrapper's death), so the command must start able to get it.
+                continue
             previous[signum] = signal.signal(signum, self._forward)
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:

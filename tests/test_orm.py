@@ -1006,6 +1006,34 @@ def test_an_instance_read_from_a_replica_is_written_to_the_primary(
     assert FencedItem.objects.using("default").get(pk=item.pk).stock == 9
 
 
+@pytest.mark.parametrize("inside_atomic", [False, True], ids=["autocommit", "atomic"])
+@pytest.mark.parametrize("rows", ["joined-filter", "child-writes-parent"])
+def test_a_queryset_written_in_steps_is_written_to_the_primary(
+    read_replica: str, rows: str, inside_atomic: bool
+) -> None:
+    """The step-by-step write (a filter through another table; a multi-table
+    child's queryset writing its parent's field) locks and writes where
+    ``update()`` writes: the router's database for writes, in one transaction
+    there (old code: the transaction was opened on the read alias, so the
+    ``SELECT ... FOR UPDATE`` ran outside any transaction and raised, or, in the
+    caller's ``atomic()``, the ``UPDATE`` went to the read-only replica)."""
+    item = SpecialItem.objects.create(name="widget", stock=10, note="sale")
+    parent = FencedItem.objects.using("default").get(pk=item.pk)
+    queryset = (
+        FencedItem.objects.filter(specialitem__note="sale")
+        if rows == "joined-filter"
+        else SpecialItem.objects.filter(pk=item.pk)
+    )
+    with model_lock(parent, fencing=True) as lock:
+        if inside_atomic:
+            with transaction.atomic():
+                written = fenced_update(queryset, lock, stock=4)
+        else:
+            written = fenced_update(queryset, lock, stock=4)
+    assert written == 1
+    assert FencedItem.objects.using("default").get(pk=item.pk).stock == 4
+
+
 @pytest.mark.django_db
 def test_field_naming_the_primary_key_is_a_field_error_and_writes_nothing() -> None:
     """The primary key is an integer field, but a fenced write would overwrite it

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.core.management.base import BaseCommand, CommandParser
 
-from harness.held import held_on
+from harness.held import held_on, lock_key
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
 from redlock_django import Redlock, SingletonCommandMixin
@@ -34,6 +34,7 @@ from redlock_django.runner import (
     EXIT_LOST,
     EXIT_MAX_HOLD,
     EXIT_NOT_FOUND,
+    FORWARDED_SIGNALS,
 )
 from tests.management.commands.singleton_job import Command as SingletonJob
 
@@ -95,6 +96,20 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
             process.wait()
 
 
+def _with_signals(action: str, signums: Iterable[int], *args: str) -> list[str]:
+    """``python *args``, started with ``signums`` set to ``signal.<action>``: a
+    Python trampoline sets them and execs it (dispositions other than handlers
+    survive exec). Not preexec_fn, which may deadlock in the forked child of a
+    process with threads (this test run has reader threads)."""
+    code = (
+        "import os, signal, sys\n"
+        f"for s in {[int(s) for s in signums]!r}:\n"
+        f"    signal.signal(s, signal.{action})\n"
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+    )
+    return [sys.executable, "-c", code, *args]
+
+
 @pytest.fixture
 def start(
     env: dict[str, str], processes: list[subprocess.Popen[str]]
@@ -104,7 +119,10 @@ def start(
 
     def spawn(*args: str, environ: dict[str, str] | None = None) -> Any:
         process = subprocess.Popen(
-            [sys.executable, "-m", "django", *args],
+            # As from a terminal or cron, whatever this test run inherited (a
+            # shell's background job ignores SIGINT and SIGQUIT): the wrapper
+            # leaves a signal ignored at its start ignored.
+            _with_signals("SIG_DFL", FORWARDED_SIGNALS, "-m", "django", *args),
             env=environ or env,
             cwd=REPO,
             stdout=subprocess.PIPE,
@@ -281,6 +299,52 @@ def test_a_signal_to_the_wrapper_is_forwarded_to_the_command(
     assert held_on(nodes, RESOURCE) == 0
 
 
+def _run_ignoring(
+    signum: signal.Signals,
+    script: str,
+    env: dict[str, str],
+    processes: list[subprocess.Popen[str]],
+) -> subprocess.Popen[str]:
+    """``redlock run RESOURCE -- sh -c script``, started with ``signum`` ignored."""
+    wrapper = subprocess.Popen(
+        _with_signals("SIG_IGN", [signum], "-m", "django", "redlock", "run",
+                      RESOURCE, "--", "sh", "-c", script),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    processes.append(wrapper)
+    return wrapper
+
+
+def test_a_signal_ignored_when_the_wrapper_started_stays_ignored_for_the_command(
+    env: dict[str, str],
+    processes: list[subprocess.Popen[str]],
+    work: Path,
+    nodes: NodeSet,
+) -> None:
+    """``nohup manage.py redlock run ...``: SIGHUP is ignored when the wrapper
+    starts, so the command inherits the ignore and a hang-up (the terminal
+    closed) ends neither (old code: the wrapper caught SIGHUP to forward it, the
+    command started with the default action and died of the forwarded SIGHUP,
+    exit 129)."""
+    script = (
+        f"grep SigIgn /proc/self/status > {work}/sigign; touch {work}/ready; "
+        f"sleep 1.5; echo done > {work}/done"
+    )
+    wrapper = _run_ignoring(signal.SIGHUP, script, env, processes)
+    wait_for((work / "ready").exists)
+    ignored = int(lines(work / "sigign")[0].split()[1], 16)
+    wrapper.send_signal(signal.SIGHUP)
+    code, _, err = finish(wrapper)
+    assert ignored & (1 << (signal.SIGHUP - 1)), "the command did not inherit it"
+    assert (code, err) == (0, "")
+    assert lines(work / "done") == ["done"]
+    assert held_on(nodes, RESOURCE) == 0
+
+
 def test_after_kill_9_of_the_wrapper_the_command_gets_sigterm_and_the_lock_expires(
     start: Callable[..., subprocess.Popen[str]], work: Path, nodes: NodeSet
 ) -> None:
@@ -297,6 +361,32 @@ def test_after_kill_9_of_the_wrapper_the_command_gets_sigterm_and_the_lock_expir
     wait_for(lambda: lines(work / "signals") == ["SIGTERM"], timeout=5.0)
     wait_for(lambda: held_on(nodes, RESOURCE) == 0, timeout=ttl + 1.0)
     assert time.monotonic() - killed <= ttl + 0.5
+
+
+def test_a_command_started_under_an_ignored_sigterm_still_dies_with_its_wrapper(
+    env: dict[str, str],
+    processes: list[subprocess.Popen[str]],
+    work: Path,
+) -> None:
+    """SIGTERM ignored when the wrapper starts (a supervisor's ``trap '' TERM``):
+    the command still starts able to get the SIGTERM the wrapper stops it with,
+    here the kernel's when the wrapper is killed with SIGKILL (an ignored one
+    would leave it running on without the lock)."""
+    script = f"echo $$ > {work}/pid; exec sleep 20"
+    wrapper = _run_ignoring(signal.SIGTERM, script, env, processes)
+    wait_for(lambda: len(lines(work / "pid")) == 1)
+    child = int(lines(work / "pid")[0])
+    wrapper.kill()
+    wrapper.wait(TIMEOUT)
+
+    def gone() -> bool:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split()[2]
+        except FileNotFoundError:
+            return True
+        return state == "Z"
+
+    wait_for(gone, timeout=5.0)
 
 
 def test_a_lost_lease_sends_sigterm_to_the_command(
@@ -636,13 +726,15 @@ def test_ctrl_c_while_waiting_for_the_lock_ends_the_wait_without_a_traceback(
     assert holder.acquire(blocking=False)
     try:
         watcher = nodes[0].client()
-        before = int(watcher.info("clients")["connected_clients"])
+        channel = lock_key(RESOURCE)  # a parked waiter listens for its release
         waiting = start(
             "redlock", "run", RESOURCE, "--wait", "60", "--", *CHILD, "count",
             str(work),
         )  # fmt: skip
-        wait_for(lambda: int(watcher.info("clients")["connected_clients"]) > before)
-        time.sleep(0.5)  # waiting for the lock now
+        # (Not a count of the node's connections: ones this test process left
+        # from earlier tests may close meanwhile and hide the wrapper's.)
+        wait_for(lambda: watcher.pubsub_numsub(channel)[0][1] > 0)
+        time.sleep(0.2)  # waiting for the lock now
         assert waiting.poll() is None
         waiting.send_signal(signal.SIGINT)
         code, _, err = finish(waiting)
