@@ -296,14 +296,16 @@ def test_fencing_token_is_recorded_on_the_lock_and_a_quorum_of_counters(
     lock = Redlock(RESOURCE, fencing=True)
     with only(nodes, (0, 1, 2, 3)), lock:
         token = lock.fencing_token
-        assert token == 42
+        # Past node 1's 41: 42, or more if a slow reply on a loaded host made
+        # the acquisition try again (each attempt draws once more).
+        assert token is not None and token >= 42
         settle(lambda: [lock_fence(nodes[i]) for i in range(4)], [token] * 4)
         for i in range(4):
             with nodes[i].client() as client:
                 assert client.pttl(LOCK_KEY) > 0
-    at_least = [value for value in counters(nodes) if (value or 0) >= 42]
+    at_least = [value for value in counters(nodes) if (value or 0) >= token]
     assert len(at_least) >= QUORUM
-    assert counters(nodes)[:4] == [42, 42, 42, 42]
+    assert counters(nodes)[:4] == [token] * 4
     # Node 4 was frozen: once resumed, the late acquire it ran raises only its own.
     assert (counters(nodes)[4] or 0) <= 1
 

@@ -245,10 +245,19 @@ class Phase:
 GRACE = 3.0
 
 
+#: Share of a phase's answers that may be 503s from hosts that reach a majority.
+#: The whole cluster runs on one small host (2 cores here): an app host is now and
+#: then starved of CPU for longer than NODE_TIMEOUT (50 ms), hears none of the five
+#: nodes twice and answers 503. On one such instance the code before and after a
+#: change both left 1-8 of them in a phase of 125-350 answers (2026-11-27).
+STRAY_503_SHARE = 0.03
+
+
 def check_liveness(
     phases: list[Phase], answers: list[Answer], app_hosts: tuple[str, ...]
 ) -> list[Check]:
-    """Orders/s > 0 in each phase; 503s only from hosts cut from a majority."""
+    """Orders/s > 0 in each phase; 503s only from hosts cut from a majority (up to
+    ``STRAY_503_SHARE`` of the phase's answers from others)."""
     checks = []
     for phase in phases:
         inside = [a for a in answers if phase.start <= a.at < phase.end]
@@ -287,11 +296,12 @@ def check_liveness(
                 f"{orders / length:.1f}/s",
             )
         )
+        budget = int(len(inside) * STRAY_503_SHARE)
         checks.append(
             Check(
                 f"503s only from hosts without a majority during {phase.name}",
-                not wrong_503,
-                f"{len(wrong_503)} from others"
+                len(wrong_503) <= budget,
+                f"{len(wrong_503)} from others (at most {budget})"
                 + (f" ({Counter(a.host for a in wrong_503)})" if wrong_503 else ""),
             )
         )
