@@ -69,6 +69,9 @@ app.conf.update(
     # in a busy worker's buffer, so both workers get a share.
     worker_prefetch_multiplier=1,
     worker_hijack_root_logger=False,
+    # A result store that is gone stays gone (the module's broker is stopped):
+    # fail at once instead of retrying for 20 s inside whatever runs next.
+    result_backend_transport_options={"retry_policy": {"max_retries": 0}},
     broker_transport_options=(
         {
             "visibility_timeout": float(_visibility),

@@ -10,6 +10,7 @@ the nodes themselves (``harness.held``), never from the lock's own view.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -123,6 +124,10 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisNode]:
     try:
         yield node
     finally:
+        # A result caught in a reference cycle (an exception's traceback) is
+        # finalized whenever the collector runs; its __del__ unsubscribes from
+        # the result store, so finalize them while that store still answers.
+        gc.collect()
         node.stop()
 
 
@@ -476,8 +481,10 @@ def test_acks_late_redelivery_never_runs_beside_the_first_delivery(
     lock it starts while the first one still runs."""
     name = unique("late")
     task = tasks.late_locked if locked else tasks.late_unlocked
-    result = task.apply_async((name, 2.0), queue="late")
-    wait_for(lambda: len(runs(counts, name)) >= 2, 20, "the copy to start")
+    # The copy is due about 1.2 s in (visibility 1 s, restores every 0.2 s); a
+    # busy CI host has delivered it after 2 s, so the first run lasts 5 s.
+    result = task.apply_async((name, 5.0), queue="late")
+    wait_for(lambda: len(runs(counts, name)) >= 2, 30, "the copy to start")
     overlaps = int(counts.get(f"{name}:overlaps") or 0)
     print(
         f"acks_late {'locked' if locked else 'unlocked'}: "
