@@ -7,11 +7,15 @@ loaded with ``-p`` in pyproject), under the names this suite has always used:
 - ``nodes``: the same five, each running, unpaused and empty when the test starts.
 - ``redlock_settings`` (the plugin's): ``settings.REDLOCK`` pointed at ``nodes``,
   with short timings.
+- ``proxies``: every node behind its own fault proxy (``harness/proxy.py``), with
+  ``settings.REDLOCK`` pointed at the proxies (a test module may define its own).
 - ``make_nodes``: a factory for extra servers (say 3 or 7) owned by one test.
 - ``hold``: acquire locks for a test, released (if still held) at its end.
 - ``api`` / ``other``: a lock owner driving the sync or the async API
   (parametrized ``sync``/``async``, ``tests/_api.py``), and a second one of its kind.
 - ``matrix`` / ``matrix_recorder``: the fault-matrix figures (``tests/_matrix.py``).
+- ``spawn`` / ``acquisitions``: fair waiter processes and the test's ``lock_acquired``
+  signals (``tests/_waiting.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from typing import Any
 import pytest
 
 from harness.nodes import NodeSet
+from harness.proxy import FaultProxy
 from redlock_django import LockError, Redlock
 from tests._api import SyncAPI, make_api
 from tests._matrix import matrix, matrix_recorder  # noqa: F401  (fixtures)
+from tests._waiting import acquisitions, spawn  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +63,26 @@ def redlock_settings(redlock_settings: dict[str, Any], settings: Any) -> dict[st
         redlock_settings = {**redlock_settings, "FAIR": True}
         settings.REDLOCK = redlock_settings
     return redlock_settings
+
+
+@pytest.fixture
+def proxies(
+    nodes: NodeSet, redlock_settings: dict[str, Any], settings: Any
+) -> Iterator[list[FaultProxy]]:
+    """Every node behind its own fault proxy, and REDLOCK pointed at the
+    proxies (NODE_TIMEOUT 0.8 s, no wake-ups)."""
+    started = [FaultProxy(node.port).start() for node in nodes]
+    settings.REDLOCK = {
+        **redlock_settings,
+        "NODES": [proxy.url for proxy in started],
+        "NODE_TIMEOUT": 0.8,
+        "WAKE_UPS": False,
+    }
+    try:
+        yield started
+    finally:
+        for proxy in started:
+            proxy.close()
 
 
 @pytest.fixture

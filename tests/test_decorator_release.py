@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.core.handlers.asgi import ASGIHandler
 from django.db import connection, connections, transaction
 from django.http import HttpRequest, HttpResponse
 from django.test import Client
@@ -34,8 +33,8 @@ from django.views.decorators.csrf import csrf_exempt
 from harness.held import lock_key
 from harness.nodes import free_port
 from harness.processes import REPO, Children
-from redlock_django import Redlock
 from redlock_django.decorators import distributed_lock
+from tests._decorated import asgi_request, free_for_another_owner
 
 pytestmark = pytest.mark.urls(__name__)
 
@@ -142,22 +141,6 @@ def _watchdogs(resource: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == name]
 
 
-def _free_for_another_owner(resource: str) -> bool:
-    """Try the lock once from a fresh thread (a fresh owner); release if taken."""
-    taken: list[bool] = []
-
-    def attempt() -> None:
-        lock = Redlock(resource)
-        taken.append(lock.acquire(blocking=False))
-        if taken[0]:
-            lock.release()
-
-    thread = threading.Thread(target=attempt)
-    thread.start()
-    thread.join(10)
-    return taken == [True]
-
-
 # A COMMIT that fails after the view returned.
 
 
@@ -174,7 +157,7 @@ def test_failed_commit_frees_the_lock_when_the_500_is_served(
     assert response.status_code == 500
     assert _keys(nodes, "release:a") == [False] * len(nodes)
     assert _watchdogs("release:a") == []
-    assert _free_for_another_owner("release:a")
+    assert free_for_another_owner("release:a")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -312,53 +295,10 @@ def test_failed_commit_under_gunicorn_frees_the_lock(
     while any(_keys(nodes, "release:g")):
         assert time.monotonic() - answered < 3 * TTL, "the lock is still held"
         time.sleep(0.005)
-    assert _free_for_another_owner("release:g")
+    assert free_for_another_owner("release:g")
 
 
 # ASGI.
-
-
-def _scope(method: str, path_: str) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path_,
-        "raw_path": path_.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"testserver")],
-        "client": ("127.0.0.1", 40000),
-        "server": ("testserver", 80),
-    }
-
-
-async def _asgi(
-    method: str, path_: str, disconnect: asyncio.Event | None = None
-) -> list[dict[str, Any]]:
-    """Run one request through Django's ASGIHandler; return the sent messages.
-
-    When ``disconnect`` is given, the client goes away once it is set.
-    """
-    incoming = [{"type": "http.request", "body": b"", "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if incoming:
-            return incoming.pop()
-        if disconnect is None:
-            await asyncio.Event().wait()
-        else:
-            await disconnect.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await ASGIHandler()(_scope(method, path_), receive, send)
-    return sent
 
 
 @pytest.mark.django_db(transaction=True)
@@ -367,7 +307,7 @@ async def test_failed_commit_under_asgi_frees_the_lock(
 ) -> None:
     """Django's ASGIHandler closes the 500 on the sync view's thread: freed."""
     try:
-        sent = await _asgi("POST", "/commit-fails/a/")
+        sent = await asgi_request("POST", "/commit-fails/a/")
         assert sent[0]["status"] == 500
         assert _keys(nodes, "release:a") == [False] * len(nodes)
         assert _watchdogs("release:a") == []
@@ -381,7 +321,7 @@ async def test_client_disconnect_frees_the_async_views_lock_at_once(
     """The disconnect cancels the view's task; the lock is free right after."""
     ENTERED[:] = [asyncio.Event()]
     disconnect = asyncio.Event()
-    request = asyncio.ensure_future(_asgi("GET", "/sleeps/a/", disconnect))
+    request = asyncio.ensure_future(asgi_request("GET", "/sleeps/a/", disconnect))
     await asyncio.wait_for(ENTERED[0].wait(), 5)
     assert _keys(nodes, "release:a") == [True] * len(nodes)
     started = time.monotonic()
@@ -420,7 +360,9 @@ async def test_client_gone_while_a_sync_view_runs_frees_the_lock_after_it_ends(
     ENTERED_SYNC.clear()
     GATE.clear()
     disconnect = asyncio.Event()
-    request = asyncio.ensure_future(_asgi("POST", "/commit-fails-late/d/", disconnect))
+    request = asyncio.ensure_future(
+        asgi_request("POST", "/commit-fails-late/d/", disconnect)
+    )
     try:
         assert await asyncio.to_thread(ENTERED_SYNC.wait, 5)
         disconnect.set()

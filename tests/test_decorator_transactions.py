@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 from django.core.exceptions import PermissionDenied
-from django.core.handlers.asgi import ASGIHandler
 from django.core.signals import request_finished
 from django.db import OperationalError, connection, connections, transaction
 from django.http import (
@@ -35,6 +34,7 @@ from django.views.decorators.csrf import csrf_exempt
 from harness.held import held_on, lock_key
 from redlock_django import Redlock
 from redlock_django.decorators import distributed_lock
+from tests._decorated import asgi_request, free_for_another_owner
 from tests.models import Counter
 
 pytestmark = pytest.mark.urls(__name__)
@@ -52,21 +52,6 @@ def _keys(nodes: Any, resource: str) -> list[bool]:
 
 def _free(nodes: Any, resource: str) -> bool:
     return _keys(nodes, resource) == [False] * len(nodes)
-
-
-def _free_for_another_owner(resource: str) -> bool:
-    taken: list[bool] = []
-
-    def attempt() -> None:
-        lock = Redlock(resource)
-        taken.append(lock.acquire(blocking=False))
-        if taken[0]:
-            lock.release()
-
-    thread = threading.Thread(target=attempt)
-    thread.start()
-    thread.join(10)
-    return taken == [True]
 
 
 def _violate_deferred_foreign_key() -> None:
@@ -143,7 +128,7 @@ def raises_plain(request: HttpRequest, name: str) -> HttpResponse:
 @distributed_lock("rv:{name}", ttl=TTL, timeout=0.5)
 def streams(request: HttpRequest, name: str) -> StreamingHttpResponse:
     def chunks() -> Iterator[bytes]:
-        SEEN.append(("streaming", _free_for_another_owner(f"rv:{name}")))
+        SEEN.append(("streaming", free_for_another_owner(f"rv:{name}")))
         yield b"a"
         yield b"b"
 
@@ -449,7 +434,7 @@ def test_cbv_method_decorator_commit_failure_under_atomic_requests_frees_lock(
     response = Client(raise_request_exception=False).post("/cbv-commit-fails/b/")
     assert response.status_code == 500
     assert _free(nodes, "rv:b")
-    assert _free_for_another_owner("rv:b")
+    assert free_for_another_owner("rv:b")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -505,7 +490,7 @@ def test_view_exceptions_free_the_lock_with_djangos_response(
     response = Client(raise_request_exception=False).post(url)
     assert response.status_code == status
     assert _free(nodes, "rv:g")
-    assert _free_for_another_owner("rv:g")
+    assert free_for_another_owner("rv:g")
 
 
 # Streaming.
@@ -540,7 +525,7 @@ def test_view_calling_a_view_on_the_same_resource_waits_and_gets_423(
     assert response.status_code == 200
     assert SEEN == [423]
     assert _free(nodes, "rv:i")
-    assert _free_for_another_owner("rv:i")
+    assert free_for_another_owner("rv:i")
 
 
 # Resource callables.
@@ -648,48 +633,6 @@ def test_read_modify_write_under_atomic_requests_loses_no_update(
 # ASGI: async views cancelled.
 
 
-def _scope(method: str, path_: str, accept: bytes | None = None) -> dict[str, Any]:
-    headers = [(b"host", b"testserver")]
-    if accept is not None:
-        headers.append((b"accept", accept))
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path_,
-        "raw_path": path_.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 40000),
-        "server": ("testserver", 80),
-    }
-
-
-async def _asgi(
-    method: str, path_: str, disconnect: asyncio.Event | None = None
-) -> list[dict[str, Any]]:
-    incoming = [{"type": "http.request", "body": b"", "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if incoming:
-            return incoming.pop()
-        if disconnect is None:
-            await asyncio.Event().wait()
-        else:
-            await disconnect.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await ASGIHandler()(_scope(method, path_), receive, send)
-    return sent
-
-
 def _lock_keys(nodes: Any) -> set[bytes]:
     keys: set[bytes] = set()
     for node in nodes:
@@ -704,7 +647,7 @@ async def test_async_view_cancelled_while_waiting_for_the_lock_leaves_nothing(
     assert await other.aacquire(blocking=False)
     ENTERED[:] = [asyncio.Event()]
     disconnect = asyncio.Event()
-    request = asyncio.ensure_future(_asgi("GET", "/async-sleeps/n/", disconnect))
+    request = asyncio.ensure_future(asgi_request("GET", "/async-sleeps/n/", disconnect))
     await asyncio.sleep(0.5)
     assert not ENTERED[0].is_set()
     started = time.monotonic()
@@ -716,7 +659,7 @@ async def test_async_view_cancelled_while_waiting_for_the_lock_leaves_nothing(
     await asyncio.sleep(0.5)
     assert not ENTERED[0].is_set()
     assert await sync_to_async(_free)(nodes, "rv:n")
-    assert await sync_to_async(_free_for_another_owner)("rv:n")
+    assert await sync_to_async(free_for_another_owner)("rv:n")
 
 
 async def test_async_view_cancelled_during_release_still_frees_the_lock(
@@ -730,7 +673,7 @@ async def test_async_view_cancelled_during_release_still_frees_the_lock(
     ENTERED[:] = [asyncio.Event()]
     GATE[:] = [asyncio.Event()]
     disconnect = asyncio.Event()
-    request = asyncio.ensure_future(_asgi("GET", "/async-gated/o/", disconnect))
+    request = asyncio.ensure_future(asgi_request("GET", "/async-gated/o/", disconnect))
     await asyncio.wait_for(ENTERED[0].wait(), 5)
     paused = [nodes[3], nodes[4]]
     for node in paused:
@@ -755,7 +698,7 @@ async def test_async_view_cancelled_during_release_still_frees_the_lock(
 async def test_async_streaming_view_released_when_view_returns(
     nodes: Any, redlock_settings: dict[str, Any]
 ) -> None:
-    sent = await _asgi("GET", "/async-stream/p/")
+    sent = await asgi_request("GET", "/async-stream/p/")
     assert sent[0]["status"] == 200
     assert await sync_to_async(_free)(nodes, "rv:p")
 
@@ -834,7 +777,9 @@ async def test_async_view_cancelled_during_a_thread_write_keeps_the_lock_until_i
     WRITE_STARTED.clear()
     disconnect = asyncio.Event()
     try:
-        request = asyncio.ensure_future(_asgi("GET", "/async-writes/s/", disconnect))
+        request = asyncio.ensure_future(
+            asgi_request("GET", "/async-writes/s/", disconnect)
+        )
         assert await asyncio.to_thread(WRITE_STARTED.wait, 5)
         disconnect.set()
         await asyncio.wait_for(request, 10)
@@ -887,7 +832,7 @@ async def test_asgi_sync_view_rolled_back_under_atomic_requests_frees_the_lock(
     nodes: Any, redlock_settings: dict[str, Any], atomic_requests: None
 ) -> None:
     try:
-        sent = await _asgi("POST", "/set-rollback/u/")
+        sent = await asgi_request("POST", "/set-rollback/u/")
         assert sent[0]["status"] == 200
         assert await sync_to_async(_free)(nodes, "rv:u")
     finally:
@@ -919,7 +864,9 @@ async def test_async_view_cancelled_around_the_grant_never_leaves_the_lock_held(
         assert await other.aacquire(blocking=False)
         ENTERED[:] = [asyncio.Event()]
         disconnect = asyncio.Event()
-        request = asyncio.ensure_future(_asgi("GET", "/async-sleeps/x/", disconnect))
+        request = asyncio.ensure_future(
+            asgi_request("GET", "/async-sleeps/x/", disconnect)
+        )
         await asyncio.sleep(0.05)
         release_at, cancel_at = rng.uniform(0, 0.03), rng.uniform(0, 0.03)
 

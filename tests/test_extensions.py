@@ -14,10 +14,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from harness.held import lock_key
 from harness.nodes import NodeSet
@@ -30,25 +27,6 @@ WATCHDOG_EXTEND = b"$4\r\n1200\r\n"
 SHORT = 0.3
 #: How long the watchdog's replies are held back after both extensions ran.
 HELD_FOR = 0.25
-
-
-@pytest.fixture
-def proxies(
-    nodes: NodeSet, redlock_settings: dict[str, Any], settings: Any
-) -> Iterator[list[FaultProxy]]:
-    """Every node behind its own fault proxy, and REDLOCK pointed at the proxies."""
-    started = [FaultProxy(node.port).start() for node in nodes]
-    settings.REDLOCK = {
-        **redlock_settings,
-        "NODES": [proxy.url for proxy in started],
-        "NODE_TIMEOUT": 0.8,
-        "WAKE_UPS": False,
-    }
-    try:
-        yield started
-    finally:
-        for proxy in started:
-            proxy.close()
 
 
 def majority_pttl(nodes: NodeSet, resource: str) -> float:

@@ -12,16 +12,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,40 +30,9 @@ from redlock_django import nodes as nodes_module
 from redlock_django.keys import handoff_key, lock_key, queue_keys
 from redlock_django.protocol import QUEUE_LIFE
 from redlock_django.scripts import ENQUEUE_SCRIPT, FAIR_ACQUIRE_SCRIPT
+from tests._waiting import SLOW_RETRY, queued, result, wait_until_queued
 
 pytestmark = pytest.mark.django_db(transaction=False)
-
-ROOT = Path(__file__).resolve().parent.parent
-#: Long enough that a waiter sleeping it out would be obvious from its counts.
-SLOW_RETRY = 30.0
-
-
-@pytest.fixture
-def spawn(nodes: NodeSet) -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """``spawn(name, resource, *args)``: start one waiter process."""
-    started: list[subprocess.Popen[str]] = []
-    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(ROOT), env.get("PYTHONPATH")])
-    )
-
-    def start(name: str, resource: str, *extra: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests._fair_waiter", "--nodes",
-             ",".join(node.url for node in nodes), "--resource", resource,
-             "--name", name, *extra],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-        proc.communicate(timeout=10)
 
 
 @pytest.fixture
@@ -85,31 +51,16 @@ def line_up(
         for k, name in enumerate(names, start=1):
             delay = ("--retry-delay", str(retry_delay))
             procs.append(spawn(name, resource, *delay, *extra))
-            _wait_until_queued(nodes, resource, k)
+            wait_until_queued(nodes, resource, k)
         return holder, procs
 
     return start
-
-
-def _queued(nodes: NodeSet, resource: str) -> list[int]:
-    """Per node, how many entries the resource's queue holds."""
-    queue = queue_keys(resource, "redlock")[0]
-    return [node.client().zcard(queue) for node in nodes]
 
 
 def _records(nodes: NodeSet, resource: str) -> list[int]:
     """Per node, how many hand-off records the resource has."""
     records = handoff_key(resource, "redlock")
     return [node.client().zcard(records) for node in nodes]
-
-
-def _wait_until_queued(nodes: NodeSet, resource: str, count: int) -> None:
-    deadline = time.monotonic() + 15
-    while sum(1 for n in _queued(nodes, resource) if n >= count) < len(nodes):
-        if time.monotonic() > deadline:
-            seen = _queued(nodes, resource)
-            raise AssertionError(f"{count} waiters never queued on all nodes: {seen}")
-        time.sleep(0.01)
 
 
 def _wait_until_heard(waiter: Redlock) -> None:
@@ -185,12 +136,6 @@ def _monitor(node: Any) -> Iterator[list[str]]:
         sock.close()
 
 
-def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    return json.loads(out.splitlines()[-1])
-
-
 def _assert_served_in_order_each_woken(
     procs: list[subprocess.Popen[str]], names: str
 ) -> None:
@@ -198,7 +143,7 @@ def _assert_served_in_order_each_woken(
     their attempts ended by a wake-up (none slept out its 30 s retry): each
     release woke the next waiter in line. A release that handed the lock over
     woke the waiter once more, after its last attempt."""
-    results = [_result(proc) for proc in procs]
+    results = [result(proc) for proc in procs]
     assert all(r["event"] == "acquired" for r in results), results
     order = [r["name"] for r in sorted(results, key=lambda r: r["at"])]
     assert order == list(names)
@@ -212,7 +157,7 @@ def test_waiters_in_other_processes_get_the_lock_in_the_order_they_queued(
     holder, procs = line_up("fair:order", "abcd")
     holder.release()
     _assert_served_in_order_each_woken(procs, "abcd")
-    assert _queued(nodes, "fair:order") == [0] * len(nodes)
+    assert queued(nodes, "fair:order") == [0] * len(nodes)
 
 
 @pytest.mark.parametrize("handoff", [True, False], ids=["handoff", "no-handoff"])
@@ -229,7 +174,7 @@ def test_a_release_hands_the_lock_to_the_next_waiter_with_its_wake_up(
     extra = () if handoff else ("--no-handoff",)
     holder, procs = line_up("fair:handoff", "abc", SLOW_RETRY, *extra)
     holder.release()
-    results = [_result(proc) for proc in procs]
+    results = [result(proc) for proc in procs]
     order = [r["name"] for r in sorted(results, key=lambda r: r["at"])]
     assert order == list("abc")
     for r in results:
@@ -316,7 +261,7 @@ def test_only_the_first_waiter_retries_at_the_retry_delay(
     holder, procs = line_up("fair:behind", "abc", 0.05)
     time.sleep(2.0)
     holder.release()
-    results = {r["name"]: r for r in map(_result, procs)}
+    results = {r["name"]: r for r in map(result, procs)}
     assert [results[n]["event"] for n in "abc"] == ["acquired"] * 3
     assert sorted("abc", key=lambda n: results[n]["at"]) == list("abc")
     # a: ~40 timed retries in 2 s. b and c: about one per 0.67 s, plus the ones
@@ -336,13 +281,13 @@ def test_waiting_fair_waiters_keep_their_places_fresh_with_their_attempts(
     holder, procs = line_up("fair:fresh", "ab", 0.05)
     with _monitor(nodes[0]) as lines:
         time.sleep(QUEUE_LIFE + 1.0)
-    assert _queued(nodes, "fair:fresh") == [2] * len(nodes)
+    assert queued(nodes, "fair:fresh") == [2] * len(nodes)
     enqueues = [line for line in lines if f'"{ENQUEUE_SCRIPT.sha}"' in line]
     attempts = [line for line in lines if f'"{FAIR_ACQUIRE_SCRIPT.sha}"' in line]
     assert len(attempts) > 10, len(attempts)
     assert enqueues == [], enqueues[:3]
     holder.release()
-    assert [_result(proc)["event"] for proc in procs] == ["acquired"] * 2
+    assert [result(proc)["event"] for proc in procs] == ["acquired"] * 2
 
 
 @pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
@@ -355,11 +300,11 @@ def test_a_dead_or_frozen_first_waiter_delays_the_next_by_at_most_its_queue_entr
 ) -> None:
     holder, [first] = line_up("fair:dead", "f")
     second = spawn("second", "fair:dead")
-    _wait_until_queued(nodes, "fair:dead", 2)
+    wait_until_queued(nodes, "fair:dead", 2)
     os.kill(first.pid, getattr(signal, fault))
     stopped = time.monotonic()
     holder.release()
-    got = _result(second)
+    got = result(second)
     assert got["event"] == "acquired"
     # The first waiter's entry outlives its last refresh by QUEUE_LIFE at most;
     # then the second's timed retry (50 ms here) finds the lock free and itself
@@ -384,13 +329,13 @@ def test_a_shorter_queue_life_setting_bounds_a_frozen_first_waiters_delay(
     extra += ("--node-timeout", str(life / 10))
     holder = hold("fair:short-life", fair=True)
     first = spawn("first", "fair:short-life", *extra)
-    _wait_until_queued(nodes, "fair:short-life", 1)
+    wait_until_queued(nodes, "fair:short-life", 1)
     second = spawn("second", "fair:short-life", *extra)
-    _wait_until_queued(nodes, "fair:short-life", 2)
+    wait_until_queued(nodes, "fair:short-life", 2)
     os.kill(first.pid, signal.SIGSTOP)
     stopped = time.monotonic()
     holder.release()
-    got = _result(second)
+    got = result(second)
     assert got["event"] == "acquired"
     assert got["at"] - stopped < life + 0.5, got["at"] - stopped
 
@@ -418,9 +363,9 @@ def test_a_first_waiter_that_gives_up_while_the_lock_is_free_wakes_the_next(
             ),
             loop,
         )
-        _wait_until_queued(nodes, "fair:gone", 1)
+        wait_until_queued(nodes, "fair:gone", 1)
         second = spawn("b", "fair:gone", "--retry-delay", str(SLOW_RETRY))
-        _wait_until_queued(nodes, "fair:gone", 2)
+        wait_until_queued(nodes, "fair:gone", 2)
         holder.release()  # names the first, which does not hear it
         time.sleep(0.2)
         assert not first.done(), first  # still waiting: it made no attempt
@@ -428,7 +373,7 @@ def test_a_first_waiter_that_gives_up_while_the_lock_is_free_wakes_the_next(
         gave_up = time.monotonic()
         with pytest.raises(concurrent.futures.CancelledError):
             first.result(timeout=5)
-        got = _result(second)
+        got = result(second)
     finally:
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
@@ -463,7 +408,7 @@ def test_a_node_restarted_empty_or_a_frozen_minority_keeps_the_queue_order(
     if fault == "restarted-empty-then-rebuilt":
         # The docs' bound: each waiter rewrites its entry every QUEUE_LIFE / 3.
         restarted = time.monotonic()
-        while _queued(nodes, "fair:nodes")[0] < 4:
+        while queued(nodes, "fair:nodes")[0] < 4:
             assert time.monotonic() - restarted < QUEUE_LIFE / 3 + 0.5
             time.sleep(0.01)
         queue = queue_keys("fair:nodes", "redlock")[0]
@@ -492,13 +437,13 @@ def test_asyncio_waiters_of_a_fair_lock_are_served_in_queue_order(
         tasks = []
         for k, name in enumerate("xyz", start=1):
             tasks.append(asyncio.create_task(waiter(name)))
-            while sum(1 for n in _queued(nodes, "fair:async") if n >= k) < len(nodes):
+            while sum(1 for n in queued(nodes, "fair:async") if n >= k) < len(nodes):
                 await asyncio.sleep(0.01)
         await asyncio.wait_for(asyncio.gather(*tasks), 20)
 
     loop = threading.Thread(target=asyncio.run, args=(main(),))
     loop.start()
-    _wait_until_queued(nodes, "fair:async", 3)
+    wait_until_queued(nodes, "fair:async", 3)
     holder.release()
     loop.join(timeout=25)
     assert order == list("xyz")
@@ -528,11 +473,11 @@ def test_a_waiter_that_gives_up_leaves_the_queue_at_once(
         )
     )
     waiter.start()
-    _wait_until_queued(nodes, "fair:leave", 1)
+    wait_until_queued(nodes, "fair:leave", 1)
     waiter.join(timeout=10)
     assert results == [False]
     # Gone now, not QUEUE_LIFE later: a waiter behind it would not wait for it.
-    assert _queued(nodes, "fair:leave") == [0] * len(nodes)
+    assert queued(nodes, "fair:leave") == [0] * len(nodes)
     holder.release()
 
 
@@ -546,12 +491,12 @@ def test_a_cancelled_asyncio_waiter_leaves_the_queue(
     async def main() -> list[int]:
         waiter = Redlock("fair:cancel", fair=True)
         task = asyncio.create_task(waiter.aacquire(timeout=20))
-        while min(_queued(nodes, "fair:cancel")) < 1:
+        while min(queued(nodes, "fair:cancel")) < 1:
             await asyncio.sleep(0.01)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        return _queued(nodes, "fair:cancel")
+        return queued(nodes, "fair:cancel")
 
     assert asyncio.run(main()) == [0] * len(nodes)
     holder.release()
@@ -653,7 +598,7 @@ def test_a_handed_over_hold_is_extended_to_its_ttl_halfway_through_its_lease(
         thread = _owner_thread(owner, take, atake)
         with _heard_from_the_start(waiter) as waits:
             thread.start()
-            _wait_until_queued(nodes, "fair:confirm", 1)
+            wait_until_queued(nodes, "fair:confirm", 1)
             waits()
             holder.release()
             thread.join(10)
@@ -739,7 +684,7 @@ def test_a_handed_over_hold_whose_extension_fails_tries_again_and_keeps_its_lock
     try:
         with _heard_from_the_start(waiter) as waits:
             thread.start()
-            _wait_until_queued(nodes, resource, 1)
+            wait_until_queued(nodes, resource, 1)
             waits()
             holder.release()
             thread.join(15)
@@ -784,7 +729,7 @@ def test_a_handed_over_hold_its_owner_extended_keeps_the_longer_lease(
     thread = threading.Thread(target=take)
     with _heard_from_the_start(waiter) as waits:
         thread.start()
-        _wait_until_queued(nodes, resource, 1)
+        wait_until_queued(nodes, resource, 1)
         waits()
         holder.release()
         thread.join(10)
@@ -833,7 +778,7 @@ def test_fencing_tokens_grow_through_hand_offs(
     for k, name in enumerate("abc", start=1):
         threads.append(threading.Thread(target=take, args=(name,)))
         threads[-1].start()
-        _wait_until_queued(nodes, "fair:fenced-handoff", k)
+        wait_until_queued(nodes, "fair:fenced-handoff", k)
     first = holder.fencing_token
     holder.release()
     for thread in threads:
@@ -852,7 +797,7 @@ def test_fencing_tokens_grow_through_hand_offs(
     unfenced = hold("fair:fenced-handoff", fair=True)
     waiter = threading.Thread(target=take, args=("d",))
     waiter.start()
-    _wait_until_queued(nodes, "fair:fenced-handoff", 1)
+    wait_until_queued(nodes, "fair:fenced-handoff", 1)
     unfenced.release()
     waiter.join(20)
     assert tokens["d"][1] is False, tokens
@@ -886,7 +831,7 @@ def test_a_waiter_cancelled_after_a_hand_off_frees_the_lock_and_wakes_the_next(
         first = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
         second = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
         task = asyncio.create_task(first.aacquire(timeout=20))
-        while min(_queued(nodes, resource)) < 1:
+        while min(queued(nodes, resource)) < 1:
             await asyncio.sleep(0.01)
 
         async def take_and_release() -> float:
@@ -896,7 +841,7 @@ def test_a_waiter_cancelled_after_a_hand_off_frees_the_lock_and_wakes_the_next(
             return got
 
         queued_second = asyncio.create_task(take_and_release())
-        while min(_queued(nodes, resource)) < 2:
+        while min(queued(nodes, resource)) < 2:
             await asyncio.sleep(0.01)
         # The loop is blocked from here until the cancellation: the release's
         # hand-off reaches the process, but the waiter cannot run to take it.
@@ -934,7 +879,7 @@ def test_no_acquisition_of_a_hot_fair_lock_waits_for_a_handed_lease_to_run_out(
         spawn(name, "fair:hot", "--loop", "4", "--retry-delay", "0.05")
         for name in "abcd"
     ]
-    results = [_result(proc) for proc in procs]
+    results = [result(proc) for proc in procs]
     assert all(r["event"] == "looped" for r in results), results
     longest = max(r["longest"] for r in results)
     assert longest < QUEUE_LIFE / 2, results
@@ -1122,7 +1067,7 @@ def test_a_forked_child_never_extends_its_parents_handed_over_hold(
     async def until_handed_over() -> asyncio.Task[None]:
         task = asyncio.ensure_future(owner())
         deadline = time.monotonic() + 15
-        while min(_queued(nodes, resource)) < 1 or hub.waiting(channel) < 2:
+        while min(queued(nodes, resource)) < 1 or hub.waiting(channel) < 2:
             assert time.monotonic() < deadline, "the waiter never waited"
             await asyncio.sleep(0.01)
         release_now.set()  # the holder's release hands the lock to the task

@@ -21,42 +21,12 @@ import pytest
 from harness.held import lock_key
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
-from redlock_django import Redlock, nodes, signals, wake
+from redlock_django import Redlock, wake
 from redlock_django import nodes as nodes_module
-from redlock_django.conf import get_settings, parse_nodes
+from redlock_django.conf import parse_nodes
+from tests._waiting import SLOW_RETRY, wait_for, wake_hub
 
 pytestmark = pytest.mark.django_db(transaction=False)
-
-#: Long enough that a waiter that sleeps it out would be obvious from its counts.
-SLOW_RETRY = 30.0
-
-
-@pytest.fixture
-def acquisitions() -> Iterator[list[dict[str, Any]]]:
-    """Collect the ``lock_acquired`` signals of the test."""
-    seen: list[dict[str, Any]] = []
-
-    def receiver(**kwargs: Any) -> None:
-        seen.append(kwargs)
-
-    signals.lock_acquired.connect(receiver, weak=False)
-    try:
-        yield seen
-    finally:
-        signals.lock_acquired.disconnect(receiver)
-
-
-def _hub() -> wake.Hub:
-    config = get_settings()
-    return wake.hub(nodes.sync_pools(config.nodes, config.node_timeout))
-
-
-def _wait_for(condition: Callable[[], bool], what: str, limit: float = 10.0) -> None:
-    deadline = time.monotonic() + limit
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.005)
 
 
 def _subscribers(node_set: NodeSet) -> list[list[dict[str, str]]]:
@@ -83,7 +53,7 @@ def test_waiter_is_woken_by_the_release_instead_of_sleeping_out_its_retry_delay(
     results: list[bool] = []
     thread = _waiter(waiter, results, timeout=SLOW_RETRY * 0.7)
     channel = holder._resolve().spec.key.encode()
-    _wait_for(lambda: _hub().waiting(channel) == 1, "the waiter waits")
+    wait_for(lambda: wake_hub().waiting(channel) == 1, "the waiter waits")
     holder.release()
     thread.join(timeout=SLOW_RETRY * 0.8)
     assert results == [True], "the waiter was not woken by the release"
@@ -108,10 +78,10 @@ def test_keys_that_vanish_without_a_release_fall_back_to_the_timed_retry(
     thread = _waiter(waiter, results, timeout=10)
     key = holder._resolve().spec.key
     channel = key.encode()
-    hub = _hub()
-    _wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
+    hub = wake_hub()
+    wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
     # Let the subscription's confirmation (an early retry) pass first.
-    _wait_for(
+    wait_for(
         lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
         "every node confirms the subscription",
     )
@@ -140,7 +110,7 @@ def test_async_waiter_is_woken_by_a_release_from_another_thread(
     results: list[bool] = []
     thread = threading.Thread(target=lambda: results.append(asyncio.run(wait_for_it())))
     thread.start()
-    _wait_for(lambda: _hub().waiting(channel) == 1, "the async waiter waits")
+    wait_for(lambda: wake_hub().waiting(channel) == 1, "the async waiter waits")
     holder.release()
     thread.join(timeout=SLOW_RETRY * 0.8)
     assert results == [True]
@@ -169,9 +139,9 @@ def test_a_release_reaching_the_nodes_at_different_times_still_wakes_the_waiter(
         # Not woken, it would try once more at its deadline and count no wake-up.
         thread = _waiter(waiter, results, timeout=6)
         channel = holder._resolve().spec.key.encode()
-        hub = _hub()
-        _wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
-        _wait_for(
+        hub = wake_hub()
+        wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
+        wait_for(
             lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
             "every node confirms the subscription",
         )
@@ -200,15 +170,15 @@ def test_many_waiting_resources_share_one_subscriber_connection_per_node(
         )
         for i in range(count)
     ]
-    hub = _hub()
+    hub = wake_hub()
     channels = [lock._resolve().spec.key.encode() for lock in holders]
-    _wait_for(
+    wait_for(
         lambda: all(hub.listening(i, c) for i in range(len(nodes)) for c in channels),
         "every node confirms every channel",
     )
     # Readers of earlier tests' settings close within a poll; then one connection
     # per node carries all forty channels (forty would mean one per resource).
-    _wait_for(
+    wait_for(
         lambda: [len(c) for c in _subscribers(nodes)] == [1] * len(nodes),
         "one subscriber connection per node",
         limit=5,
@@ -234,8 +204,8 @@ def test_a_paused_node_does_not_stop_the_others_waking_the_waiter(
         # Not woken, it would try once more at its deadline and count no wake-up.
         thread = _waiter(waiter, results, timeout=6)
         channel = holder._resolve().spec.key.encode()
-        hub = _hub()
-        _wait_for(
+        hub = wake_hub()
+        wait_for(
             lambda: all(hub.listening(i, channel) for i in range(4)),
             "the four live nodes confirm the subscription",
         )
@@ -257,12 +227,12 @@ def test_readers_close_their_connections_once_nobody_waits(
     results: list[bool] = []
     thread = _waiter(Redlock("wake:linger"), results, timeout=5)
     channel = holder._resolve().spec.key.encode()
-    hub = _hub()
-    _wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
+    hub = wake_hub()
+    wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
     holder.release()
     thread.join(timeout=5)
     assert results == [True]
-    _wait_for(
+    wait_for(
         lambda: (
             not any(t.name.startswith("redlock-wake-") for t in threading.enumerate())
         ),
@@ -289,7 +259,7 @@ def test_wake_ups_off_leaves_waiters_on_their_timer_and_opens_no_subscriber(
     assert acquisitions[-1]["wakeups"] == 0
     # Readers of earlier tests close within a poll (0.2 s); one of this waiter's
     # would linger for LINGER (2 s) after it left.
-    _wait_for(
+    wait_for(
         lambda: _subscribers(nodes) == [[] for _ in nodes], "no subscribers", limit=1
     )
 
@@ -365,7 +335,7 @@ def test_a_node_whose_connect_hangs_does_not_hold_up_the_others_wake_ups(
         watch = wake.SyncWatch(b"wake:hung-connect")
         hub.watch(watch)
         try:
-            _wait_for(
+            wait_for(
                 lambda: all(hub.listening(i, watch.channel) for i in range(4)),
                 "the four reachable nodes confirm the subscription",
                 limit=1.5,
@@ -387,11 +357,11 @@ def test_a_waiter_named_by_a_minority_of_a_release_is_woken_after_a_grace(
     it names: a waiter's process may then hear the release from fewer than a
     majority of the nodes. It is woken all the same once the rest did not come
     within ``wake.GRACE``, or it would sleep until its next refresh."""
-    hub = _hub()
+    hub = wake_hub()
     watch = wake.SyncWatch(b"wake:split-release", "w1")
     hub.watch(watch)
     try:
-        _wait_for(
+        wait_for(
             lambda: all(hub.listening(i, watch.channel) for i in range(len(nodes))),
             "every node confirms the subscription",
         )
@@ -428,8 +398,8 @@ def test_a_wake_up_that_arrives_a_byte_at_a_time_still_wakes_the_waiter(
         channel = holder._resolve().spec.key.encode()
         config = waiter._resolve()
         hub = wake.hub(nodes_module.sync_pools(config.nodes, config.node_timeout))
-        _wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
-        _wait_for(
+        wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
+        wait_for(
             lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
             "every node's confirmation, read a byte at a time",
         )
@@ -473,11 +443,11 @@ def test_waiters_of_one_process_sharing_its_connections_are_each_woken(
             threads.append(threading.Thread(target=asyncio.run, args=(atake(name),)))
     for thread in threads:
         thread.start()
-    hub = _hub()
+    hub = wake_hub()
     for holder in holders:
         channel = holder._resolve().spec.key.encode()
-        _wait_for(lambda channel=channel: hub.waiting(channel) == 1, "each waits")
-        _wait_for(lambda channel=channel: hub.listening(0, channel), "node 0 confirms")
+        wait_for(lambda channel=channel: hub.waiting(channel) == 1, "each waits")
+        wait_for(lambda channel=channel: hub.listening(0, channel), "node 0 confirms")
     time.sleep(0.05)
     for holder in holders:
         holder.release()
@@ -598,7 +568,7 @@ def test_releases_heard_while_a_channel_is_dropped_leave_no_state_behind(
     published by other processes until its UNSUBSCRIBE reached the node must not
     recreate its per-channel state: nothing would ever remove it again, so a
     long-lived process would keep an entry for every resource it ever waited on."""
-    hub = _hub()
+    hub = wake_hub()
     keeper = wake.SyncWatch(b"wake:dropped:keeper")  # keeps the reader running
     hub.watch(keeper)
     channels = [f"wake:dropped:{i}".encode() for i in range(10)]
@@ -607,7 +577,7 @@ def test_releases_heard_while_a_channel_is_dropped_leave_no_state_behind(
         hub.watch(watch)
     stop = threading.Event()
     try:
-        _wait_for(
+        wait_for(
             lambda: all(
                 hub.listening(i, c) for i in range(len(nodes)) for c in channels
             ),
@@ -628,7 +598,7 @@ def test_releases_heard_while_a_channel_is_dropped_leave_no_state_behind(
         for watch in watches:
             hub.unwatch(watch)
         try:
-            _wait_for(
+            wait_for(
                 lambda: (
                     not any(
                         hub.listening(i, c) for i in range(len(nodes)) for c in channels

@@ -12,12 +12,9 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,62 +22,21 @@ import pytest
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
 from redlock_django import LockLostError, Redlock, signals, wake
-from redlock_django import nodes as nodes_module
-from redlock_django.conf import get_settings
-from redlock_django.keys import handoff_key, lock_key, queue_keys
+from redlock_django.keys import handoff_key, lock_key
 from redlock_django.protocol import QUEUE_LIFE
+from tests._waiting import (
+    SLOW_RETRY,
+    queued,
+    result,
+    wait_for,
+    wait_until_queued,
+    wake_hub,
+)
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
-ROOT = Path(__file__).resolve().parent.parent
-SLOW_RETRY = 30.0
-
 
 # --------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture
-def spawn(nodes: NodeSet) -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """``spawn(name, resource, *args, urls=None)``: one fair waiter process."""
-    started: list[subprocess.Popen[str]] = []
-    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(ROOT), env.get("PYTHONPATH")])
-    )
-
-    def start(
-        name: str, resource: str, *extra: str, urls: list[str] | None = None
-    ) -> subprocess.Popen[str]:
-        urls = urls or [node.url for node in nodes]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests._fair_waiter", "--nodes", ",".join(urls),
-             "--resource", resource, "--name", name, *extra],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-        proc.communicate(timeout=10)
-
-
-def _queued(nodes: NodeSet, resource: str) -> list[int]:
-    queue = queue_keys(resource, "redlock")[0]
-    return [node.client().zcard(queue) for node in nodes]
-
-
-def _wait_until_queued(nodes: NodeSet, resource: str, count: int) -> None:
-    deadline = time.monotonic() + 20
-    while sum(1 for n in _queued(nodes, resource) if n >= count) < len(nodes):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never {count} queued: {_queued(nodes, resource)}")
-        time.sleep(0.01)
 
 
 def _holders(nodes: NodeSet, resource: str) -> list[bytes | None]:
@@ -88,28 +44,51 @@ def _holders(nodes: NodeSet, resource: str) -> list[bytes | None]:
     return [node.client().hget(key, "token") for node in nodes]
 
 
-def _result(proc: subprocess.Popen[str], timeout: float = 40) -> dict[str, Any]:
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, err
-    return json.loads(out.splitlines()[-1])
-
-
-def _wait_for(cond: Callable[[], bool], what: str, limit: float = 15.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.01)
-
-
-def _hub() -> wake.Hub:
-    config = get_settings()
-    return wake.hub(nodes_module.sync_pools(config.nodes, config.node_timeout))
-
-
 def _fair_channel() -> bytes:
     config = Redlock("x", fair=True)._resolve()
     return (config.spec.wake_head + wake.process_tag()).encode()
+
+
+def _parked(
+    nodes: NodeSet, resources: list[str], settle: float = 0.0, what: str = "subscribed"
+) -> None:
+    """Until each resource's waiter is queued on every node and this process's
+    reader listens on its fair waiters' channel on every node; then ``settle``
+    seconds more, so the waiters are asleep in their waits."""
+    for resource in resources:
+        wait_until_queued(nodes, resource, 1)
+    hub, channel = wake_hub(), _fair_channel()
+    wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))), what)
+    if settle:
+        time.sleep(settle)
+
+
+def _start_waiters(
+    resources: list[str],
+    errors: list[BaseException],
+    lost: dict[str, LockLostError] | None = None,
+) -> list[threading.Thread]:
+    """One started thread per resource that waits for it (fair, 30 s retry) and
+    releases it at once. Errors go to ``errors``; with ``lost``, a release that
+    finds the lease ran out goes there instead (see ``_burst``)."""
+
+    def waiter(resource: str) -> None:
+        try:
+            lock = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
+            assert lock.acquire(timeout=60)
+            try:
+                lock.release()
+            except LockLostError as exc:
+                if lost is None:
+                    raise
+                lost[resource] = exc
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=waiter, args=(r,)) for r in resources]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def _kill_subscribers(nodes: NodeSet, which: range | list[int] | None = None) -> int:
@@ -125,20 +104,6 @@ def _kill_subscribers(nodes: NodeSet, which: range | list[int] | None = None) ->
                     client.client_kill_filter(_id=c["id"])
                     killed += 1
     return killed
-
-
-@pytest.fixture
-def acquisitions() -> Iterator[list[dict[str, Any]]]:
-    seen: list[dict[str, Any]] = []
-
-    def receiver(**kwargs: Any) -> None:
-        seen.append(kwargs)
-
-    signals.lock_acquired.connect(receiver, weak=False)
-    try:
-        yield seen
-    finally:
-        signals.lock_acquired.disconnect(receiver)
 
 
 # ------------------------------------------------------------ dead / frozen waiters
@@ -160,15 +125,15 @@ def test_a_killed_first_waiter_delays_a_slow_retrying_next_waiter_by_queue_life_
     resource = "rw:dead-head-slow-retry"
     holder = hold(resource, fair=True)
     first = spawn("first", resource, "--retry-delay", "0.05")
-    _wait_until_queued(nodes, resource, 1)
+    wait_until_queued(nodes, resource, 1)
     second = spawn("second", resource, "--retry-delay", "6")
-    _wait_until_queued(nodes, resource, 2)
+    wait_until_queued(nodes, resource, 2)
     time.sleep(0.3)  # both parked
     os.kill(first.pid, signal.SIGKILL)
     killed = time.monotonic()
     first.wait(5)
     holder.release()
-    got = _result(second)
+    got = result(second)
     assert got["event"] == "acquired", got
     delay = got["at"] - killed
     assert delay < QUEUE_LIFE + 1.5, f"next waiter waited {delay:.2f}s"
@@ -189,12 +154,12 @@ def test_a_waiter_behind_a_live_first_waiter_makes_no_attempt_until_woken(
     resource = "rw:live-head-slow-retry"
     holder = hold(resource, fair=True)
     first = spawn("first", resource, "--retry-delay", str(SLOW_RETRY))
-    _wait_until_queued(nodes, resource, 1)
+    wait_until_queued(nodes, resource, 1)
     second = spawn("second", resource, "--retry-delay", str(SLOW_RETRY))
-    _wait_until_queued(nodes, resource, 2)
+    wait_until_queued(nodes, resource, 2)
     time.sleep(3 * QUEUE_LIFE)
     holder.release()
-    a, b = _result(first), _result(second)
+    a, b = result(first), result(second)
     assert a["event"] == b["event"] == "acquired", (a, b)
     assert a["at"] < b["at"]
     for got in (a, b):
@@ -214,9 +179,9 @@ def test_a_frozen_waiter_handed_the_lock_never_holds_it_together_with_the_next(
     resource = "rw:frozen-handed"
     holder = hold(resource, fair=True)
     first = spawn("first", resource, "--retry-delay", "0.05", "--hold", "0.5")
-    _wait_until_queued(nodes, resource, 1)
+    wait_until_queued(nodes, resource, 1)
     second = spawn("second", resource, "--retry-delay", "0.05", "--hold", "2.5")
-    _wait_until_queued(nodes, resource, 2)
+    wait_until_queued(nodes, resource, 2)
     time.sleep(0.3)
     os.kill(first.pid, signal.SIGSTOP)
     stopped = time.monotonic()
@@ -224,11 +189,11 @@ def test_a_frozen_waiter_handed_the_lock_never_holds_it_together_with_the_next(
     handed = _majority_token(nodes, resource)
     assert handed is not None  # handed to the frozen waiter
     # the next waiter got the lock: another token on a majority
-    _wait_for(lambda: _majority_token(nodes, resource) not in (None, handed),
+    wait_for(lambda: _majority_token(nodes, resource) not in (None, handed),
               "the second waiter holds", 10)  # fmt: skip
     time.sleep(0.2)
     os.kill(first.pid, signal.SIGCONT)
-    a, b = _result(first), _result(second)
+    a, b = result(first), result(second)
     assert a["event"] == b["event"] == "acquired", (a, b)
     assert b["at"] - stopped < QUEUE_LIFE + 1.5, b["at"] - stopped
     # no overlap: the first's hold starts after the second's 2.5 s hold ended
@@ -263,9 +228,9 @@ def test_a_reader_whose_connections_dropped_reconnects_and_wakes_later_waiters(
     results: list[bool] = []
     t = threading.Thread(target=lambda: results.append(waiter.acquire(timeout=40)))
     t.start()
-    hub = _hub()
+    hub = wake_hub()
     channel = lock_key(resource, "redlock").encode()
-    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+    wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
               "subscribed")  # fmt: skip
     time.sleep(0.2)
     if how == "client-kill":
@@ -274,7 +239,7 @@ def test_a_reader_whose_connections_dropped_reconnects_and_wakes_later_waiters(
         for node in nodes[:2]:  # a minority: the lock survives on the rest
             node.crash_and_restart()
         _kill_subscribers(nodes, [2, 3, 4])
-    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+    wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
               "resubscribed", 10)  # fmt: skip
     released = time.monotonic()
     holder.release()
@@ -300,18 +265,14 @@ def test_a_fair_waiter_whose_reader_was_killed_while_parked_is_woken_after_recon
     results: list[bool] = []
     t = threading.Thread(target=lambda: results.append(waiter.acquire(timeout=40)))
     t.start()
-    _wait_until_queued(nodes, resource, 1)
-    hub = _hub()
-    channel = _fair_channel()
-    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
-              "subscribed")  # fmt: skip
-    time.sleep(0.2)
+    _parked(nodes, [resource], 0.2)
+    hub, channel = wake_hub(), _fair_channel()
     if how == "client-kill":
         assert _kill_subscribers(nodes) >= len(nodes)
     else:
         for node in nodes[:2]:
             node.crash_and_restart()
-    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+    wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
               "resubscribed", 10)  # fmt: skip
     released = time.monotonic()
     holder.release()
@@ -337,9 +298,9 @@ def test_a_waiter_killed_right_after_it_was_handed_the_lock_delays_the_next_brie
     # release, not win it with a retry of its own that crosses the release (then
     # its lease is the whole TTL and the bound below does not apply).
     first = spawn("first", resource, "--retry-delay", "30", "--hold", "30")
-    _wait_until_queued(nodes, resource, 1)
+    wait_until_queued(nodes, resource, 1)
     second = spawn("second", resource, "--retry-delay", "0.05")
-    _wait_until_queued(nodes, resource, 2)
+    wait_until_queued(nodes, resource, 2)
     time.sleep(0.3)
     holder.release()
     assert first.stdout is not None
@@ -347,7 +308,7 @@ def test_a_waiter_killed_right_after_it_was_handed_the_lock_delays_the_next_brie
     os.kill(first.pid, signal.SIGKILL)
     killed = time.monotonic()
     assert line["event"] == "acquired" and line["handed"] is True, line
-    got = _result(second)
+    got = result(second)
     assert got["event"] == "acquired", got
     assert got["at"] - killed < QUEUE_LIFE + 1.0, got["at"] - killed
 
@@ -377,11 +338,7 @@ def test_a_forked_child_waits_with_its_own_reader_and_leaves_the_parents_wake_up
 
     t = threading.Thread(target=parent_wait)
     t.start()
-    _wait_until_queued(nodes, "rw:fork-a", 1)
-    hub = _hub()
-    channel = _fair_channel()
-    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
-              "parent subscribed")  # fmt: skip
+    _parked(nodes, ["rw:fork-a"], what="parent subscribed")
     parent_tag = wake.process_tag()
     r, w = os.pipe()
     pid = os.fork()
@@ -408,7 +365,7 @@ def test_a_forked_child_waits_with_its_own_reader_and_leaves_the_parents_wake_up
             os._exit(code)
     os.close(w)
     try:
-        _wait_until_queued(nodes, "rw:fork-b", 1)
+        wait_until_queued(nodes, "rw:fork-b", 1)
         time.sleep(0.5)  # the child's reader subscribed (else the retry would show)
         # the parent's release first: its waiter must be woken at once
         released = time.monotonic()
@@ -464,25 +421,15 @@ def test_many_fair_waiters_of_one_process_on_one_and_many_locks_are_each_served(
         except BaseException as exc:
             errors.append(exc)
 
-    def wait_other(resource: str) -> None:
-        try:
-            lock = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
-            assert lock.acquire(timeout=60)
-            lock.release()
-        except BaseException as exc:
-            errors.append(exc)
-
     threads = []
     for k in range(6):
         t = threading.Thread(target=wait_same, args=(k,))
         t.start()
         threads.append(t)
-        _wait_until_queued(nodes, same, k + 1)
+        wait_until_queued(nodes, same, k + 1)
     for resource in others:
-        t = threading.Thread(target=wait_other, args=(resource,))
-        t.start()
-        threads.append(t)
-        _wait_until_queued(nodes, resource, 1)
+        threads += _start_waiters([resource], errors)
+        wait_until_queued(nodes, resource, 1)
     time.sleep(0.5)
     began = time.monotonic()
     for lock in holders.values():
@@ -495,7 +442,7 @@ def test_many_fair_waiters_of_one_process_on_one_and_many_locks_are_each_served(
     assert len(acquisitions) == 7 + 12  # the holders and the waiters
     for got in acquisitions:
         assert got["waited"] < SLOW_RETRY, got
-    _wait_for(lambda: wake.watching() == 0, "no waiter watches any more", 5)
+    wait_for(lambda: wake.watching() == 0, "no waiter watches any more", 5)
 
 
 # ------------------------------------------------ giving up while handed the lock
@@ -539,10 +486,10 @@ def test_a_waiter_whose_timeout_races_the_hand_off_never_strands_the_lock(
         began = time.monotonic()
         t1 = threading.Thread(target=run_first)
         t1.start()
-        _wait_until_queued(nodes, resource, 1)
+        wait_until_queued(nodes, resource, 1)
         t2 = threading.Thread(target=run_second)
         t2.start()
-        _wait_until_queued(nodes, resource, 2)
+        wait_until_queued(nodes, resource, 2)
         pause = began + 1.0 + offset - time.monotonic()
         if pause > 0:
             time.sleep(pause)
@@ -553,7 +500,7 @@ def test_a_waiter_whose_timeout_races_the_hand_off_never_strands_the_lock(
         lag = outcome["second_at"] - outcome["first_done"]
         if lag > 3:
             slow.append((offset, lag))
-        _wait_for(lambda r=resource: _holders(nodes, r) == [None] * len(nodes),
+        wait_for(lambda r=resource: _holders(nodes, r) == [None] * len(nodes),
                   "the lock is free", 5)  # fmt: skip
     assert not slow, slow
 
@@ -591,10 +538,10 @@ def test_asyncio_waiters_cancelled_around_the_hand_off_never_strand_the_lock(
             return at
 
         t1 = asyncio.create_task(run_first())
-        while min(_queued(nodes, resource)) < 1:
+        while min(queued(nodes, resource)) < 1:
             await asyncio.sleep(0.01)
         t2 = asyncio.create_task(run_second())
-        while min(_queued(nodes, resource)) < 2:
+        while min(queued(nodes, resource)) < 2:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)
         await holder.arelease()
@@ -645,7 +592,7 @@ def test_a_release_heard_between_a_refused_attempt_and_the_wait_ends_the_wait(
         proxies = [stack.enter_context(FaultProxy(node.port)) for node in nodes]
         settings.REDLOCK = {**redlock_settings, "NODES": [p.url for p in proxies],
                             "NODE_TIMEOUT": 0.5}  # fmt: skip
-        hub = _hub()
+        hub = wake_hub()
         channel = Redlock(resource)._resolve().spec.key.encode()
         # An earlier waiter subscribes the channel, gets the lock, and leaves.
         first_holder = Redlock(resource)
@@ -659,7 +606,7 @@ def test_a_release_heard_between_a_refused_attempt_and_the_wait_ends_the_wait(
 
         t = threading.Thread(target=early_wait)
         t.start()
-        _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+        wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
                   "subscribed")  # fmt: skip
         first_holder.release()
         t.join(10)
@@ -714,37 +661,17 @@ def _burst(
         except BaseException as exc:
             errors.append(exc)
 
-    def waiter(resource: str) -> None:
-        try:
-            lock = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
-            assert lock.acquire(timeout=60)
-            try:
-                lock.release()
-            except LockLostError as exc:
-                # A handed lease is what was left of the waiter's queue entry
-                # (docs/fairness.md): a thread that reaches its grant late (256
-                # threads on 2 busy cores in CI) may hold little of it, and the
-                # release says honestly that it ran out. The waiter was woken and
-                # held its lock, which is what this test checks; a lost hold that
-                # was not handed over (a TTL of 10 s) fails below.
-                lost[resource] = exc
-        except BaseException as exc:
-            errors.append(exc)
-
+    # A handed lease is what was left of the waiter's queue entry
+    # (docs/fairness.md): a waiter thread that reaches its grant late (256 threads
+    # on 2 busy cores in CI) may hold little of it, and its release says honestly
+    # that it ran out. It was woken and held its lock, which is what this checks;
+    # a lost hold that was not handed over (a TTL of 10 s) fails below.
     holders = [threading.Thread(target=holder, args=(r,)) for r in resources]
     for t in holders:
         t.start()
     barrier.wait(30)
-    waiters = [threading.Thread(target=waiter, args=(r,)) for r in resources]
-    for t in waiters:
-        t.start()
-    for r in resources:
-        _wait_until_queued(nodes, r, 1)
-    hub = _hub()
-    channel = _fair_channel()
-    _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
-              "subscribed")  # fmt: skip
-    time.sleep(1.0)
+    waiters = _start_waiters(resources, errors, lost)
+    _parked(nodes, resources, 1.0)
     began = time.monotonic()
     go.set()
     for t in holders + waiters:
@@ -836,12 +763,7 @@ def test_a_fair_release_reaching_the_nodes_at_different_times_still_hands_over(
 
         t = threading.Thread(target=wait)
         t.start()
-        _wait_until_queued(nodes, resource, 1)
-        hub = _hub()
-        channel = _fair_channel()
-        _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
-                  "subscribed")  # fmt: skip
-        time.sleep(0.3)
+        _parked(nodes, [resource], 0.3)
         if records != "kept":
             for node in list(nodes)[:2]:
                 assert node.client().delete(handoff_key(resource, "redlock")) == 1
@@ -889,12 +811,7 @@ def test_an_asyncio_hand_off_delivered_while_the_loop_was_busy_is_not_dropped(
 
     try:
         future = asyncio.run_coroutine_threadsafe(take(), loop)
-        _wait_until_queued(nodes, resource, 1)
-        hub = _hub()
-        channel = _fair_channel()
-        _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
-                  "subscribed")  # fmt: skip
-        time.sleep(0.5)  # parked, past its subscription's confirmation
+        _parked(nodes, [resource], 0.5)  # parked, past its subscription's confirmation
         # Busy longer than a refresh period (QUEUE_LIFE / 3), well within the
         # handed lease (at least QUEUE_LIFE * 2 / 3 at the release).
         loop.call_soon_threadsafe(time.sleep, 0.9)
@@ -929,7 +846,7 @@ def test_a_frozen_first_waiter_resumed_within_its_handed_lease_takes_the_lock(
         holder = hold(resource, fair=True)
         first = spawn("first", resource, "--retry-delay", str(SLOW_RETRY),
                       "--timeout", "8")  # fmt: skip
-        _wait_until_queued(nodes, resource, 1)
+        wait_until_queued(nodes, resource, 1)
         time.sleep(0.8)  # parked, past its subscription's confirmation
         os.kill(first.pid, signal.SIGSTOP)
         time.sleep(0.3)
@@ -937,7 +854,7 @@ def test_a_frozen_first_waiter_resumed_within_its_handed_lease_takes_the_lock(
         time.sleep(0.7)
         os.kill(first.pid, signal.SIGCONT)
         resumed = time.monotonic()
-        got = _result(first)
+        got = result(first)
         if got["event"] != "acquired" or got["at"] - resumed > 3:
             stalls.append((k, got, got.get("at", 0) - resumed))
     assert not stalls, stalls
@@ -981,27 +898,11 @@ def test_forty_fair_releases_in_flight_at_once_for_one_process_wake_every_waiter
 
         holding = asyncio.run_coroutine_threadsafe(hold_all(), loop)
         for r in resources:
-            _wait_for(lambda r=r: all(h is not None for h in _holders(nodes, r)),
+            wait_for(lambda r=r: all(h is not None for h in _holders(nodes, r)),
                       "held")  # fmt: skip
 
-        def waiter(resource: str) -> None:
-            try:
-                lock = Redlock(resource, fair=True, retry_delay=SLOW_RETRY)
-                assert lock.acquire(timeout=60)
-                lock.release()
-            except BaseException as exc:
-                errors.append(exc)
-
-        waiters = [threading.Thread(target=waiter, args=(r,)) for r in resources]
-        for t in waiters:
-            t.start()
-        for r in resources:
-            _wait_until_queued(nodes, r, 1)
-        hub = _hub()
-        channel = _fair_channel()
-        _wait_for(lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
-                  "subscribed")  # fmt: skip
-        time.sleep(1.0)
+        waiters = _start_waiters(resources, errors)
+        _parked(nodes, resources, 1.0)
         for k, proxy in enumerate(slow, start=1):
             proxy.delay(0, requests=0.1 * k)  # nodes 2, 3, 4: 0.1, 0.2, 0.3 s late
         began = time.monotonic()
@@ -1062,7 +963,7 @@ def test_waiters_behind_a_holder_kept_past_queue_life_sleep_instead_of_polling(
 
     holder = threading.Thread(target=hold_long)
     holder.start()
-    _wait_until_queued(nodes, resource, 1)
+    wait_until_queued(nodes, resource, 1)
     first.release()
     assert held.wait(10)
     behind = threading.Thread(target=wait_behind)

@@ -47,25 +47,6 @@ def ext_on(nodes: NodeSet, resource: str) -> list[bytes | None]:
 
 
 @pytest.fixture
-def proxies(
-    nodes: NodeSet, redlock_settings: dict[str, Any], settings: Any
-) -> Iterator[list[FaultProxy]]:
-    """Every node behind its own fault proxy; REDLOCK pointed at the proxies."""
-    started = [FaultProxy(node.port).start() for node in nodes]
-    settings.REDLOCK = {
-        **redlock_settings,
-        "NODES": [proxy.url for proxy in started],
-        "NODE_TIMEOUT": 0.8,
-        "WAKE_UPS": False,
-    }
-    try:
-        yield started
-    finally:
-        for proxy in started:
-            proxy.close()
-
-
-@pytest.fixture
 def recorded() -> Iterator[list[tuple[str, float, dict[str, Any]]]]:
     """Every lock signal sent while the test runs: (name, monotonic time, kwargs)."""
     seen: list[tuple[str, float, dict[str, Any]]] = []
@@ -344,28 +325,24 @@ say({"event": "report", "samples": samples, "events": events, "extend": ext,
 """
 
 
+def _frozen_holder(
+    urls: list[str], resource: str, ttl: float, mode: str
+) -> subprocess.Popen[str]:
+    """Start ``FROZEN_HOLDER`` holding ``resource`` on ``urls`` (``mode``: its API)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", FROZEN_HOLDER, str(ROOT), ",".join(urls), resource,
+         str(ttl), mode],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", ["thread", "task"])
 def test_a_holder_frozen_past_its_lease_never_reports_it_held_or_revives_it(
     mode: str, redlock_settings: dict[str, Any], nodes: NodeSet
 ) -> None:
     ttl = 1.0
     resource = f"frozen-{mode}"
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            FROZEN_HOLDER,
-            str(ROOT),
-            ",".join(nodes.urls),
-            resource,
-            str(ttl),
-            mode,
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    child = _frozen_holder(nodes.urls, resource, ttl, mode)
     try:
         assert child.stdout is not None and child.stdin is not None
         held = json.loads(child.stdout.readline())
@@ -425,22 +402,7 @@ def test_a_holder_frozen_with_its_extension_in_flight_never_counts_it(
     ttl = 1.0
     resource = f"frozen-inflight-{mode}"
     urls = [proxy.url for proxy in proxies]
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            FROZEN_HOLDER,
-            str(ROOT),
-            ",".join(urls),
-            resource,
-            str(ttl),
-            mode,
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    child = _frozen_holder(urls, resource, ttl, mode)
     try:
         assert child.stdout is not None and child.stdin is not None
         held = json.loads(child.stdout.readline())
