@@ -30,8 +30,8 @@ from django.views.decorators.csrf import csrf_exempt
 
 from harness.held import lock_key
 from redlock_django.decorators import DistributedLockMixin, distributed_lock
+from tests._decorated import free_for_another_owner
 from tests.models import Counter
-from tests.test_decorator_release import _free_for_another_owner
 
 pytestmark = pytest.mark.urls(__name__)
 
@@ -62,7 +62,7 @@ def _committed_value(name: str) -> int | None:
 
 
 def _probe(resource: str) -> None:
-    GAP.append((connection.in_atomic_block, _free_for_another_owner(resource)))
+    GAP.append((connection.in_atomic_block, free_for_another_owner(resource)))
     if connection.vendor == "postgresql":
         # The view's write is not committed yet: another connection sees none.
         COMMITTED.append(_committed_value(resource.split(":")[1]))
