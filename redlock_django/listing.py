@@ -51,7 +51,15 @@ from . import meta
 from . import nodes as node_pools
 from .address import NodeSpec
 from .conf import RedlockSettings, get_settings
-from .keys import MAX_NAME_LENGTH, check_resource, lock_head, lock_key, lock_pattern
+from .keys import (
+    MAX_NAME_LENGTH,
+    check_resource,
+    lock_head,
+    lock_key,
+    lock_pattern,
+    queue_keys,
+    wake_head,
+)
 from .protocol import has_quorum, quorum, release_id, unanswered_may_hold
 from .scripts import FORCE_RELEASE_SCRIPT
 
@@ -508,6 +516,9 @@ def force_release(resource: str, token_digest: str) -> ForceRelease:
     deletes the key only if the SHA1 of the token it holds starts with
     ``token_digest``, so a lock that changed hands since it was shown is left
     alone (``changed``). Only keys under the configured prefix can be reached.
+    A node that deletes it wakes the lock's waiters as a release does: a fair
+    lock's first live waiter by name (expired queue entries ahead of it dropped,
+    as a release drops them), the others on the lock's channel.
     Raise ``ValueError`` for an invalid resource name or a digest that is not
     12 to 40 hex digits; node errors are reported in ``failed``, never raised.
     The caller logs who asked for it.
@@ -521,14 +532,19 @@ def force_release(resource: str, token_digest: str) -> ForceRelease:
         )
     conf = get_settings()
     key = lock_key(resource, conf.key_prefix)
+    queue, waiters, _ = queue_keys(resource, conf.key_prefix)
+    head = wake_head(conf.key_prefix)
     script = FORCE_RELEASE_SCRIPT
 
     # One wake-up for every node's publish: its waiters are woken once a
-    # majority of the nodes reported it, as after a release.
+    # majority of the nodes reported it, as after a release (a fair lock's first
+    # waiter by name, on its process's channel).
     wake = release_id(f"forced {secrets.token_hex(8)}")
 
     def run(client: redis.Redis) -> int:
-        return int(client.eval(script.source, 1, key, digest, wake))
+        return int(
+            client.eval(script.source, 3, key, queue, waiters, digest, wake, head)
+        )
 
     released: list[int] = []
     failed: dict[str, str] = {}

@@ -543,17 +543,23 @@ return redis.call('pttl', KEYS[1])
 """,
 )
 
-# KEYS[1] lock key
-# ARGV[1] a prefix of the SHA1 of the token to evict (lowercase hex)
+# KEYS[1] lock key; KEYS[2], KEYS[3] (optional) the resource's wait queue and its
+# waiters' expiries
+# ARGV[1] a prefix of the SHA1 of the token to evict (lowercase hex); ARGV[2]
+# (optional) the release id to publish; ARGV[3] (with the queue keys) the wake-up
+# channels' head (see _TELL)
 # returns 1 when the key held a token whose SHA1 starts with ARGV[1] and it was
 # deleted, else 0: a lock that changed hands since the operator saw it, a key that
 # is gone, or a value of another type is left alone. The fencing counter is not
 # touched: it already covers the evicted holder's token on a quorum, so the next
-# holder gets a greater one. Run by the listing's forced release (listing.py), not
-# by the lock.
+# holder gets a greater one. The lock's waiters are woken as by a release: on the
+# lock's channel, and a fair lock's first live waiter on its process's channel
+# ("<release id> <waiter>", no hand-off). Run by the listing's forced release
+# (listing.py), not by the lock.
 FORCE_RELEASE_SCRIPT = Script(
     "force_release",
-    """
+    _TELL
+    + """
 local token = redis.pcall('hget', KEYS[1], 'token')
 if type(token) ~= 'string' then
   return 0
@@ -562,9 +568,20 @@ if string.sub(redis.sha1hex(token), 1, string.len(ARGV[1])) ~= ARGV[1] then
   return 0
 end
 local deleted = redis.call('del', KEYS[1])
-if ARGV[2] then
-  -- Wake the lock's waiters, as a release does (their channel is the key).
-  redis.pcall('publish', KEYS[1], ARGV[2])
+if not ARGV[2] then
+  return deleted
+end
+-- Wake the lock's waiters, as a release does (their channel is the key).
+redis.pcall('publish', KEYS[1], ARGV[2])
+if not (KEYS[3] and ARGV[3]) then
+  return deleted
+end
+local q, w, h = 2, 3, nil
+"""
+    + _LIVE_HEAD
+    + """
+if head and string.match(head, ':(%x+)$') then
+  tell(head, ARGV[2] .. ' ' .. head, ARGV[3], KEYS[1])
 end
 return deleted
 """,

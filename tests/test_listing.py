@@ -348,10 +348,12 @@ def test_force_release_rejects_invalid_resources_and_digests(
 
 
 def test_force_release_script_declares_its_key_and_never_deletes_blindly() -> None:
-    """The script compares the token's SHA1 before DEL, and touches KEYS only."""
+    """The script compares the token's SHA1 before DEL, deletes only KEYS[1], and
+    reaches the queue (to wake its first waiter) only through declared KEYS."""
     source = FORCE_RELEASE_SCRIPT.source
     assert "redis.sha1hex" in source and "KEYS[1]" in source
-    assert "KEYS[2]" not in source
+    assert source.count("'del'") == 1 and "'del', KEYS[1]" in source
+    assert "'keys'" not in source and "'scan'" not in source
     assert source.index("sha1hex") < source.index("'del'")
 
 
@@ -452,14 +454,16 @@ def test_held_lock_rows_are_plain_frozen_values(
         held.resource = "other"  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("fair", [False, True], ids=["plain", "fair"])
 def test_a_force_release_wakes_the_waiter_instead_of_leaving_it_to_its_timer(
-    nodes: NodeSet, redlock_settings: dict[str, Any], settings: Any
+    fair: bool, nodes: NodeSet, redlock_settings: dict[str, Any], settings: Any
 ) -> None:
     """Waiters sleep on their wake-up subscription (RETRY_DELAY long here); an
     operator's forced release wakes them, as a release does (it woke nobody: the
-    waiter got the lock at its own timer, 4 s later). A fair lock's queue is not
-    told yet: its first waiter retries at its retry delay."""
-    settings.REDLOCK = {**redlock_settings, "RETRY_DELAY": 30.0, "FAIR": False}
+    waiter got the lock at its own timer, 4 s later). A fair lock's first waiter
+    is told on its process's channel, as a release names it (it was not: the
+    waiter slept out its 30 s retry delay)."""
+    settings.REDLOCK = {**redlock_settings, "RETRY_DELAY": 30.0, "FAIR": fair}
     holder = Redlock("stuck")
     assert holder.acquire(blocking=False)
     started = threading.Event()
