@@ -69,6 +69,7 @@ from asgiref.sync import iscoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
 
 from .conf import check_seconds
+from .exceptions import QuorumUnavailableError
 from .lock import Redlock
 from .resources import (
     RejectedError,
@@ -311,6 +312,18 @@ class FunctionLock:
     def _skipped(self, lock: Redlock) -> None:
         logger.info(SKIPPED, lock.label or self.name, lock.resource)
 
+    def _take(self, lock: Redlock, reclaim: Callable[[Redlock], object] | None) -> bool:
+        """Acquire per the policy; with ``reclaim``, one look first at a lock held."""
+        if reclaim is not None:
+            try:
+                if lock._acquire(blocking=False, raise_on_contention=False):
+                    return True
+            except QuorumUnavailableError:
+                pass  # the policy's own acquisition decides what an outage does
+            else:
+                reclaim(lock)
+        return bool(lock._acquire(**self._acquire_args()))
+
     # Blocking driver.
 
     def call(
@@ -320,13 +333,17 @@ class FunctionLock:
         run: Callable[[], Any],
         *,
         label: str | None = None,
+        reclaim: Callable[[Redlock], object] | None = None,
     ) -> Any:
         """Run ``run()`` under the call's lock, per the policy.
 
-        Return its result, or None when ``"skip"`` found the lock held.
+        Return its result, or None when ``"skip"`` found the lock held. With
+        ``reclaim``, a lock found held is first shown to ``reclaim(lock)``, which
+        may free it (a dead earlier run of this same call's), before the policy
+        applies.
         """
         lock = self.lock_for(args, kwargs, label=label)
-        if not lock._acquire(**self._acquire_args()):
+        if not self._take(lock, reclaim):
             self._skipped(lock)
             return None
         token = _current.set(lock)

@@ -160,6 +160,8 @@ class ListedLock:
     time_left: float
     fencing_token: int | None
     other_tokens: int
+    #: The holder's pid namespace (``meta.pid_namespace()``), None if unknown.
+    ns: str | None = None
 
     @property
     def held_on(self) -> int:
@@ -503,6 +505,7 @@ def _merge(
         time_left=left_ms / 1000,
         fencing_token=max(known_fences) if known_fences else None,
         other_tokens=len(entries) - len(holding) + foreign,
+        ns=holder.ns,
     )
 
 

@@ -9,6 +9,7 @@ library or another writer, so a field that does not parse is None, never an erro
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -16,8 +17,9 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
-__all__ = ["HolderMeta", "as_int", "decode", "encode", "printable"]
+__all__ = ["HolderMeta", "as_int", "decode", "encode", "pid_namespace", "printable"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class HolderMeta:
     label: str = ""
     acquired_at: datetime | None = None
     ttl: float | None = None
+    #: The holder's pid namespace (``pid_namespace()``): its pid names a process
+    #: only where this is the same.
+    ns: str | None = None
 
 
 @functools.cache
@@ -37,16 +42,34 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
+@functools.cache
+def pid_namespace() -> str | None:
+    """Name this process's pid namespace on this boot of its kernel; None if unknown.
+
+    Two containers can share a host name (``--network host``) and two hosts a
+    name (cloned machines), each with its own pids: a pid says whether its
+    process is alive only where this name is the same. A digest of the kernel's
+    boot id and the namespace's inode, 16 hex digits.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        inode = os.stat("/proc/self/ns/pid").st_ino
+    except (OSError, ValueError):
+        return None
+    return hashlib.sha256(f"{boot}:{inode}".encode()).hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=1024)
 def _head(pid: int, holder: str, ttl: float, label: str) -> str:
     """The metadata JSON without its closing brace and acquisition time."""
-    fields = {"host": _hostname(), "pid": pid, "holder": holder, "ttl": ttl}
-    return json.dumps({**fields, "label": label}, separators=(",", ":"))[:-1]
+    fields = {"host": _hostname(), "pid": pid, "ns": pid_namespace()}
+    fields = {**fields, "holder": holder, "ttl": ttl, "label": label}
+    return json.dumps(fields, separators=(",", ":"))[:-1]
 
 
 def encode(holder: str, ttl: float, label: str) -> str:
     """Return the metadata (JSON) an acquisition writes beside its token."""
-    # The same JSON object as json.dumps of all six fields, with the fixed
+    # The same JSON object as json.dumps of all seven fields, with the fixed
     # part encoded once per (pid, holder, ttl, label): only the time changes.
     head = _head(os.getpid(), holder, ttl, label)
     return f'{head},"acquired_at":"{_now()}"}}'
@@ -74,6 +97,10 @@ def _now() -> str:
     return f"{text}.{frac:03d}+00:00"
 
 
+# A child made by unshare(CLONE_NEWPID) and fork() is in another namespace.
+os.register_at_fork(after_in_child=pid_namespace.cache_clear)
+
+
 def decode(raw: bytes | None) -> HolderMeta:
     """Read the metadata a node returned; anything unreadable becomes None."""
     fields = _json_object(raw)
@@ -84,6 +111,7 @@ def decode(raw: bytes | None) -> HolderMeta:
         label=_optional_str(fields.get("label")) or "",
         acquired_at=_datetime(fields.get("acquired_at")),
         ttl=_float(fields.get("ttl")),
+        ns=_optional_str(fields.get("ns")),
     )
 
 

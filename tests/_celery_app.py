@@ -206,3 +206,35 @@ def late_locked(name: str, seconds: float) -> str:
 def late_unlocked(name: str, seconds: float) -> str:
     """The negative control of ``late_locked``: redelivered, runs twice at once."""
     return sleep_inside(name, seconds)
+
+
+def first_delivery_hangs(name: str) -> str:
+    """The first delivery of ``name`` runs until killed; later ones end at once."""
+    first = counter().incr(f"{name}:deliveries") == 1
+    return sleep_inside(name, 120 if first else 0)
+
+
+# Requeued when their process dies (an OOM kill): the copy finds the lock its
+# killed first run took, labelled with its own task id, for up to lock_ttl.
+@app.task(
+    base=RedlockTask,
+    lock="lost:{name}",
+    lock_on_contention="skip",
+    lock_ttl=30.0,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def lost_skip(name: str) -> str:
+    return first_delivery_hangs(name)
+
+
+@app.task(
+    base=RedlockTask,
+    lock="lost:{name}",
+    lock_timeout=60,
+    lock_ttl=30.0,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def lost_wait(name: str) -> str:
+    return first_delivery_hangs(name)

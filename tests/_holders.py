@@ -47,6 +47,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--unfenced", action="store_true")
     parser.add_argument("--nodes", required=True, help="comma-separated Redis URLs")
     parser.add_argument("--resource", default="held")
+    parser.add_argument("--label", default="", help="the holder metadata's label")
     parser.add_argument("--ttl", type=float, default=1.0)
     parser.add_argument("--fencing", action="store_true")
     parser.add_argument("--auto-extend", action="store_true")
@@ -85,6 +86,7 @@ def hold(args: argparse.Namespace) -> None:
         ttl=args.ttl,
         fencing=args.fencing,
         auto_extend=args.auto_extend,
+        label=args.label,
     )
     started = time.monotonic()
     if not lock.acquire(blocking=False):

@@ -38,8 +38,10 @@ from harness.proxy import FaultProxy
 from redlock_django import LockContentionError, Redlock
 from redlock_django.contrib.celery import RedlockTask, task_label
 from redlock_django.functions import MAX_LABEL_LENGTH, current_lock
+from redlock_django.keys import lock_key
 from redlock_django.listing import describe
 from tests import _celery_app as tasks
+from tests.test_faults import PREFIX, start_holder
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -541,6 +543,111 @@ def test_a_requeued_task_whose_first_run_died_is_retried_not_dropped(
             job(name)
     finally:
         job.pop_request()
+
+
+@pytest.fixture
+def lost_worker(
+    broker: RedisNode, redis_nodes: NodeSet, tmp_path: Path
+) -> Iterator[Worker]:
+    """A one-process worker on the ``lost`` queue."""
+    point_app_at(broker)
+    children = Children()
+    try:
+        [worker] = start_workers(
+            children, tmp_path, broker, redis_nodes, ["lost"], queue="lost",
+            concurrency=1,
+        )  # fmt: skip
+        yield worker
+    finally:
+        children.stop_all()
+
+
+@pytest.mark.parametrize("policy", ["skip", "wait"])
+def test_a_task_requeued_after_its_process_was_killed_runs_again_at_once(
+    lost_worker: Worker,
+    nodes: NodeSet,
+    redlock_settings: dict[str, Any],
+    counts: redis.Redis,
+    policy: str,
+) -> None:
+    """``acks_late`` + ``reject_on_worker_lost``: the pool child running the task is
+    SIGKILLed (the OOM killer) and Celery requeues the message, reporting no
+    failure. The copy finds the lock its dead first run took, labelled with its
+    own task id, on this host, its process gone: it frees that lock and runs,
+    instead of skipping the job for good ("skip") or waiting out the 30 s lease."""
+    name = unique(f"lost-{policy}")
+    task = tasks.lost_skip if policy == "skip" else tasks.lost_wait
+    result = task.apply_async((name,), queue="lost")
+    first = wait_for(lambda: runs(counts, name), 15, "the first run")[0]
+    assert held_on(nodes, f"lost:{name}") >= QUORUM
+    killed = time.monotonic()
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_for(
+        lambda: counts.lrange(f"{name}:ended", 0, -1),
+        15,
+        "the requeued copy to run (the lease is 30 s)",
+    )
+    print(f"{policy}: the copy ran {time.monotonic() - killed:.2f}s after the kill")
+    assert result.get(timeout=10) == "done"
+    assert int(counts.get(f"{name}:deliveries") or 0) == 2
+    pids = [entry["pid"] for entry in runs(counts, name)]
+    assert len(pids) == 2 and pids[0] == first["pid"] != pids[1]
+    freed_after(nodes, f"lost:{name}", 5.0)
+
+
+@pytest.mark.parametrize(
+    "holder", ["dead", "alive", "dead-in-another-namespace", "another-task-dead"]
+)
+def test_a_task_frees_only_a_dead_run_of_its_own_in_its_own_pid_namespace(
+    broker: RedisNode, nodes: NodeSet, redlock_settings: dict[str, Any], holder: str
+) -> None:
+    """A task that finds its lock held frees it only if a run of this same task id
+    took it in this host's pid namespace and that run's process is gone. A live
+    run keeps it (a copy delivered again past the broker's visibility timeout); so
+    does a dead run that wrote another pid namespace (a container sharing the host
+    name, whose pids this process cannot see), and another task's dead run: they
+    are left to their TTL and the copy skips."""
+    app = Celery("reclaim", broker=broker.url)
+
+    @app.task(
+        base=RedlockTask, lock="reclaim:{name}", lock_on_contention="skip", shared=False
+    )
+    def job(name: str) -> str:
+        return "ran"
+
+    name, task_id = unique("reclaim"), str(uuid.uuid4())
+    resource = f"reclaim:{name}"
+    owner = str(uuid.uuid4()) if holder == "another-task-dead" else task_id
+    process, _ = start_holder(
+        nodes.urls, "--resource", resource, "--ttl", "30",
+        "--label", task_label(job.name, owner),
+    )  # fmt: skip
+    try:
+        if holder != "alive":
+            process.kill()
+            process.wait(10)
+        if holder == "dead-in-another-namespace":
+            key = lock_key(resource, PREFIX)
+            for node in nodes:
+                with node.client() as client:
+                    held = json.loads(client.hget(key, "meta") or b"{}")
+                    client.hset(key, "meta", json.dumps({**held, "ns": "0" * 16}))
+        job.push_request(
+            id=task_id, args=[name], kwargs={}, retries=0, called_directly=False
+        )
+        try:
+            outcome = job(name)
+        finally:
+            job.pop_request()
+    finally:
+        process.kill()
+        process.wait(10)
+    if holder == "dead":
+        assert outcome == "ran"
+        assert held_on(nodes, resource) == 0
+    else:
+        assert outcome is None  # skipped
+        assert held_on(nodes, resource) == len(nodes)
 
 
 # Eager mode: the task runs in this process, under the same lock.

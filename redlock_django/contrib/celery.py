@@ -12,8 +12,12 @@ body's process dies instead (``revoke(terminate=True)``, a hard time limit, a po
 child killed by the OOM killer), the worker's main process releases the lock as
 soon as Celery reports it (``task_revoked``; ``task_failure`` with
 ``TimeLimitExceeded`` or ``WorkerLostError``), once the nodes show the lock still
-labelled with this task's id and the process holding it is gone. A worker killed
-whole frees the lock within its TTL: the watchdog extending it dies with it.
+labelled with this task's id and the process holding it is gone. Celery reports
+nothing when it requeues the message instead (``acks_late`` with
+``reject_on_worker_lost``): the copy that runs next finds the lock held by its own
+task id and releases it when that run's process is gone on this host (same pid
+namespace), so the job runs instead of being skipped. A worker killed whole frees
+the lock within its TTL: the watchdog extending it dies with it.
 
 The options are task options, so ``@app.task(...)`` keywords or class attributes:
 
@@ -56,10 +60,12 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .. import listing
+from .. import listing, meta
 from ..exceptions import LockContentionError
 from ..functions import MAX_LABEL_LENGTH, FunctionLock
 from ..functions import POLICIES as FUNCTION_POLICIES
+from ..lock import Redlock
+from ..nodes import describe
 
 __all__ = ["POLICIES", "RedlockTask", "release_dead_holder", "task_label"]
 
@@ -120,9 +126,33 @@ class RedlockTask(Task):  # type: ignore[misc]
             entered = True
             return super(RedlockTask, self).__call__(*args, **kwargs)
 
-        label = task_label(self.name, self.request.id)
+        task_id = self.request.id
+        label = task_label(self.name, task_id)
+
+        def reclaim(lock: Redlock) -> bool:
+            # A pid is only looked up in a namespace known to be the holder's.
+            if meta.pid_namespace() is None:
+                return False
+            try:
+                return _release_if_dead(
+                    lock.resource, label, self.name, task_id, wait=0.0
+                )
+            except Exception as exc:  # a look that failed frees nothing: the policy
+                logger.warning(
+                    "redlock %r: could not look for a dead run of task %s[%s]: %s",
+                    lock.resource,
+                    self.name,
+                    task_id,
+                    describe(exc),
+                )
+                return False
+
         try:
-            return function_lock.call(args, kwargs, body, label=label)
+            # The listing reads the nodes of settings.REDLOCK, not lock_nodes.
+            mine = task_id and function_lock.nodes is None
+            return function_lock.call(
+                args, kwargs, body, label=label, reclaim=reclaim if mine else None
+            )
         except LockContentionError as exc:
             # Only the task's own lock being held is retried, not a
             # contention the body ran into.
@@ -219,29 +249,52 @@ def release_dead_holder(
     except (ValueError, TypeError):
         return False  # the body never acquired a lock for these arguments
     label = task_label(task.name, task_id)
+    return _release_if_dead(resource, label, task.name, task_id, wait=wait)
+
+
+def _release_if_dead(
+    resource: str, label: str, name: str, task_id: str | None, *, wait: float
+) -> bool:
+    """Release ``resource``'s lock if it is labelled ``label`` and its process,
+    one of this host's and pid namespace's, has exited (waited for up to ``wait``
+    seconds; 0: looked at once, and a live holder is no news).
+
+    Two uses: the worker's main process, told that a child died, and a task
+    finding its lock held: a message Celery requeued after its run's process
+    died (``acks_late`` with ``reject_on_worker_lost``, an OOM kill) finds the
+    lock that run took, with nobody told to release it. A holder on another host
+    or in another pid namespace is left to its TTL.
+    """
+    namespace = meta.pid_namespace()
     for held in listing.describe([resource]):
         if held.label != label:
             continue
         pid = held.pid
-        if held.host != socket.gethostname() or pid is None or pid == os.getpid():
-            return False  # another host, or this process: it releases its own
+        if (
+            held.host != socket.gethostname()
+            or held.ns != namespace
+            or pid is None
+            or pid == os.getpid()
+        ):
+            return False  # another host or namespace, or this process: its own
         if not _wait_gone(pid, wait):
-            logger.warning(
-                "redlock %r of task %s[%s] left held: its process %d is still "
-                "alive %.1fs after it was reported gone",
-                resource,
-                task.name,
-                task_id,
-                pid,
-                wait,
-            )
+            if wait:
+                logger.warning(
+                    "redlock %r of task %s[%s] left held: its process %d is still "
+                    "alive %.1fs after it was reported gone",
+                    resource,
+                    name,
+                    task_id,
+                    pid,
+                    wait,
+                )
             return False
         outcome = listing.force_release(resource, held.token_digest)
         logger.info(
             "redlock %r released for task %s[%s], whose process %d is gone "
             "(released on %d nodes)",
             resource,
-            task.name,
+            name,
             task_id,
             pid,
             len(outcome.released),
