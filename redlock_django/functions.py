@@ -69,7 +69,7 @@ from asgiref.sync import iscoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
 
 from .conf import check_seconds
-from .exceptions import QuorumUnavailableError
+from .exceptions import LockContentionError, QuorumUnavailableError
 from .lock import Redlock
 from .resources import (
     RejectedError,
@@ -312,17 +312,25 @@ class FunctionLock:
     def _skipped(self, lock: Redlock) -> None:
         logger.info(SKIPPED, lock.label or self.name, lock.resource)
 
-    def _take(self, lock: Redlock, reclaim: Callable[[Redlock], object] | None) -> bool:
-        """Acquire per the policy; with ``reclaim``, one look first at a lock held."""
+    def _take(self, lock: Redlock, reclaim: Callable[[Redlock], bool] | None) -> bool:
+        """Acquire per the policy; with ``reclaim``, one look first at a lock held.
+
+        A lock found held and not freed by ``reclaim`` is not asked for again
+        unless the policy waits: one ``lock_contended``, as without it.
+        """
+        args = self._acquire_args()
         if reclaim is not None:
             try:
-                if lock._acquire(blocking=False, raise_on_contention=False):
+                if lock._acquire(blocking=False, raise_on_contention=True):
                     return True
+            except LockContentionError:
+                if not reclaim(lock) and not args["blocking"]:
+                    if args["raise_on_contention"]:
+                        raise
+                    return False
             except QuorumUnavailableError:
                 pass  # the policy's own acquisition decides what an outage does
-            else:
-                reclaim(lock)
-        return bool(lock._acquire(**self._acquire_args()))
+        return bool(lock._acquire(**args))
 
     # Blocking driver.
 
@@ -333,7 +341,7 @@ class FunctionLock:
         run: Callable[[], Any],
         *,
         label: str | None = None,
-        reclaim: Callable[[Redlock], object] | None = None,
+        reclaim: Callable[[Redlock], bool] | None = None,
     ) -> Any:
         """Run ``run()`` under the call's lock, per the policy.
 

@@ -35,7 +35,7 @@ from harness.held import held_on
 from harness.nodes import NodeSet, RedisNode
 from harness.processes import REPO, Children, log_tail
 from harness.proxy import FaultProxy
-from redlock_django import LockContentionError, Redlock
+from redlock_django import LockContentionError, Redlock, signals
 from redlock_django.contrib.celery import RedlockTask, task_label
 from redlock_django.functions import MAX_LABEL_LENGTH, current_lock
 from redlock_django.keys import lock_key
@@ -632,6 +632,12 @@ def test_a_task_frees_only_a_dead_run_of_its_own_in_its_own_pid_namespace(
                 with node.client() as client:
                     held = json.loads(client.hget(key, "meta") or b"{}")
                     client.hset(key, "meta", json.dumps({**held, "ns": "0" * 16}))
+        contended: list[str] = []
+
+        def count(sender: Any, **kwargs: Any) -> None:
+            contended.append(kwargs["resource"])
+
+        signals.lock_contended.connect(count, weak=False)
         job.push_request(
             id=task_id, args=[name], kwargs={}, retries=0, called_directly=False
         )
@@ -639,9 +645,12 @@ def test_a_task_frees_only_a_dead_run_of_its_own_in_its_own_pid_namespace(
             outcome = job(name)
         finally:
             job.pop_request()
+            signals.lock_contended.disconnect(count)
     finally:
         process.kill()
         process.wait(10)
+    # The look at the holder costs no second try: one contention, as without it.
+    assert contended == [resource]
     if holder == "dead":
         assert outcome == "ran"
         assert held_on(nodes, resource) == 0
