@@ -736,7 +736,13 @@ def test_a_handed_over_hold_its_owner_extended_keeps_the_longer_lease(
     acquired = [kw for name, kw in events if name == "lock_acquired"]
     assert acquired[-1]["handed"] is True, acquired
     assert seen["extended"] is True, seen
-    assert all(pttl > 25_000 for pttl in seen["pttl"]), seen
+    # The 30 s lease on a quorum, and no node cut back to the 10 s TTL. A release
+    # that reached some nodes late (its thread descheduled mid fan-out, found by
+    # CI) hands those over after the owner's extension: they keep what was left
+    # of the waiter's queue entry (at most 0.6 s) and lapse, which is no cut.
+    longer = [pttl for pttl in seen["pttl"] if pttl > 25_000]
+    cut = [pttl for pttl in seen["pttl"] if 1_000 < pttl <= 25_000]
+    assert len(longer) >= 3 and not cut, seen
     extensions = [kw for name, kw in events if name == "lock_extended"]
     assert len(extensions) == 1 and extensions[0]["validity"] > 29.0, extensions
 
