@@ -9,6 +9,11 @@ Every script the lock runs reads the owner the same way (``_READ_OWNER``): a key
 another type counts as held by someone else, an ACL error is returned as the error it
 is. The operator's forced release (``FORCE_RELEASE_SCRIPT``) compares a digest of the
 token instead, and leaves anything unexpected alone.
+
+Numbers go to ``redis.call`` and into strings as ``string.format('%d', n)``: Redis
+before 7.2 turns a Lua number argument into text with ``"%.17g"`` (about 2,400
+instructions each under callgrind), and Lua's own concatenation uses ``"%.14g"``;
+the fair lock's scripts pass some ten a call (``python -m benchmarks.scripts``).
 """
 
 from __future__ import annotations
@@ -96,8 +101,9 @@ def _grant(n: int) -> str:
     return f"""
 if KEYS[{n}] then
   fence = fence + 1
-  redis.call('set', KEYS[{n}], fence)
-  redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3], 'fence', fence)
+  local counted = string.format('%d', fence)
+  redis.call('set', KEYS[{n}], counted)
+  redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3], 'fence', counted)
 else
   redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])
 end
@@ -139,7 +145,7 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 _RECORDS = """
 local function record_of(key, id)
   return redis.call('zrange', key, '[' .. id .. '|', '[' .. id .. '|\\255',
-    'BYLEX', 'LIMIT', 0, 1)[1]
+    'BYLEX', 'LIMIT', '0', '1')[1]
 end
 local function drop_record(key, id)
   local member = record_of(key, id)
@@ -157,12 +163,13 @@ end
 # A local h (or nil) names KEYS[h], the hand-off records: a dropped entry's goes too.
 _LIVE_HEAD_AT_NOW = """
 local head = false
+local head_until = 0
 local capped = true
 for _ = 1, 16 do
-  head = redis.call('zrange', KEYS[q], 0, 0)[1] or false
+  head = redis.call('zrange', KEYS[q], '0', '0')[1] or false
   if not head then capped = false break end
   local until_ms = tonumber(redis.call('zscore', KEYS[w], head) or '0')
-  if until_ms > now then capped = false break end
+  if until_ms > now then head_until = until_ms capped = false break end
   redis.call('zrem', KEYS[q], head)
   redis.call('zrem', KEYS[w], head)
   if h and KEYS[h] then
@@ -207,7 +214,8 @@ ENQUEUE_SCRIPT = Script(
     _NOW_MS
     + _RECORDS
     + """
-local dead = redis.call('zrangebyscore', KEYS[2], '-inf', now, 'LIMIT', 0, 16)
+local dead = redis.call('zrangebyscore', KEYS[2], '-inf', string.format('%d', now),
+  'LIMIT', '0', '16')
 if #dead > 0 then
   redis.call('zrem', KEYS[1], unpack(dead))
   redis.call('zrem', KEYS[2], unpack(dead))
@@ -221,16 +229,17 @@ local ticket = tonumber(ARGV[2])
 if ticket == 0 then
   ticket = redis.call('incr', KEYS[3])
 elseif tonumber(redis.call('get', KEYS[3]) or '0') < ticket then
-  redis.call('set', KEYS[3], ticket)
+  redis.call('set', KEYS[3], string.format('%d', ticket))
 end
 local life = tonumber(ARGV[3])
-redis.call('zadd', KEYS[1], ticket, ARGV[1])
-redis.call('zadd', KEYS[2], now + life, ARGV[1])
+redis.call('zadd', KEYS[1], string.format('%d', ticket), ARGV[1])
+redis.call('zadd', KEYS[2], string.format('%d', now + life), ARGV[1])
+local keep = string.format('%d', life * 4)
 for i = 1, #KEYS do
-  redis.call('pexpire', KEYS[i], life * 4)
+  redis.call('pexpire', KEYS[i], keep)
 end
 if ARGV[4] == '1' then
-  local first = redis.call('zrange', KEYS[1], 0, 0)[1]
+  local first = redis.call('zrange', KEYS[1], '0', '0')[1]
   local left = tonumber(redis.call('zscore', KEYS[2], first) or '0') - now
   return {0, ticket, redis.call('zrank', KEYS[1], ARGV[1]), left}
 end
@@ -317,19 +326,20 @@ local function refuse(code)
     local mine = tonumber(ARGV[6] or '0')
     if mine > 0 then
       if ticket ~= mine then
-        redis.call('zadd', KEYS[2], mine, ARGV[4])
+        local drawn = string.format('%d', mine)
+        redis.call('zadd', KEYS[2], drawn, ARGV[4])
         if tonumber(redis.call('get', KEYS[4]) or '0') < mine then
-          redis.call('set', KEYS[4], mine)
+          redis.call('set', KEYS[4], drawn)
         end
         ticket = mine
       end
     elseif ticket == 0 then
       ticket = redis.call('incr', KEYS[4])
-      redis.call('zadd', KEYS[2], ticket, ARGV[4])
+      redis.call('zadd', KEYS[2], string.format('%d', ticket), ARGV[4])
     end
-    redis.call('zadd', KEYS[3], now + life, ARGV[4])
+    redis.call('zadd', KEYS[3], string.format('%d', now + life), ARGV[4])
     for i = 2, 4 do
-      redis.call('pexpire', KEYS[i], life * 4)
+      redis.call('pexpire', KEYS[i], string.format('%d', life * 4))
     end
   end
   if ARGV[7] == '1' and ticket > 0 then
@@ -338,15 +348,16 @@ local function refuse(code)
     local had = drop_record(KEYS[5], ARGV[4])
     if life > 0 or had then
       local fenced = KEYS[6] and 'f' or '-'
-      redis.call('zadd', KEYS[5], 0, ARGV[4] .. '|' .. ARGV[1] .. '|' .. now .. '|'
-        .. ARGV[2] .. '|' .. fenced .. '|' .. ARGV[3])
+      redis.call('zadd', KEYS[5], '0', ARGV[4] .. '|' .. ARGV[1] .. '|'
+        .. string.format('%d', now) .. '|' .. ARGV[2] .. '|' .. fenced .. '|'
+        .. ARGV[3])
     end
     if life > 0 then
-      redis.call('pexpire', KEYS[5], life * 4)
+      redis.call('pexpire', KEYS[5], string.format('%d', life * 4))
     end
   end
   local rank = redis.call('zrank', KEYS[2], ARGV[4]) or -1
-  local first = redis.call('zrange', KEYS[2], 0, 0)[1]
+  local first = redis.call('zrange', KEYS[2], '0', '0')[1]
   local left = -1
   if first then
     left = tonumber(redis.call('zscore', KEYS[3], first) or '0') - now
@@ -422,8 +433,7 @@ if head then
     local attempt = token and string.match(token, '%.(%d+)$')
     local lease = 0
     if attempt then
-      local ends = tonumber(redis.call('zscore', KEYS[3], head) or '0')
-      lease = math.min(tonumber(ask), ends - now)
+      lease = math.min(tonumber(ask), head_until - now)
     end
     local fence = nil
     if lease > 0 and fenced == 'f' then
@@ -437,14 +447,17 @@ if head then
     end
     if lease > 0 then
       if fence then
+        fence = string.format('%d', fence)
         redis.call('set', KEYS[5], fence)
         redis.call('hset', KEYS[1], 'token', token, 'meta', meta, 'fence', fence)
       else
         redis.call('hset', KEYS[1], 'token', token, 'meta', meta)
       end
+      lease = string.format('%d', lease)
       redis.call('pexpire', KEYS[1], lease)
       handed = true
-      message = message .. ' ' .. attempt .. ' ' .. lease .. ' ' .. (now - tonumber(at))
+      message = message .. ' ' .. attempt .. ' ' .. lease .. ' '
+        .. string.format('%d', now - tonumber(at))
       if fence then
         message = message .. ' ' .. fence
       end
