@@ -4,12 +4,15 @@ A fair lock's hand-off is as fast as the slowest of a quorum of nodes running
 ``QUEUED_RELEASE``; every waiter's refresh runs ``FAIR_ACQUIRE`` on every node. On
 a small host the nodes share the cores with the clients, so what a script costs
 the server is paid by the whole sale. Each case below is set up with plain
-commands, then one script runs ``--calls`` times by EVALSHA; its cost is the
-server's own count for EVALSHA, so set-up commands are not in it:
+commands, then one script runs ``--calls`` times by EVALSHA (the last case by
+EVAL, as the lock sends its releases); its cost is the server's own count for
+that command, so set-up commands are not in it:
 
-- by default, Redis's ``usec_per_call`` (noisy on a shared host: compare ratios),
+- by default, Redis's ``usec_per_call`` (noisy on a shared host: compare ratios;
+  it leaves out an EVAL's hashing of its source, done before the command runs),
 - with ``--callgrind``, instructions per call of a ``redis-server`` run under
-  valgrind's callgrind: exact and repeatable, whatever else the host is doing.
+  valgrind's callgrind, the script lookup before the command included: exact and
+  repeatable, whatever else the host is doing.
 
 Each case is also shown as a ratio over an empty script (``return 0``) called
 with the same keys and arguments: the part of the cost that is the script's own.
@@ -52,7 +55,8 @@ HOLDER, WAITER, TAG = "aaaaaaaaaaaaaaaa:01", "bbbbbbbbbbbbbbbb:02", "02"
 
 
 class Case:
-    """One script in one situation: ``prepare`` writes the keys, ``call`` runs it."""
+    """One script in one situation: ``prepare`` writes the keys before each call,
+    which goes by EVALSHA, or by EVAL with the source (``by_eval``)."""
 
     def __init__(
         self,
@@ -61,8 +65,9 @@ class Case:
         prepare: Callable[[redis.Redis, int], None],
         keys: Callable[[int], Sequence[str]],
         args: Callable[[int], Sequence[Any]],
+        by_eval: bool = False,
     ) -> None:
-        self.name, self.script = name, script
+        self.name, self.script, self.by_eval = name, script, by_eval
         self.prepare, self.keys, self.args = prepare, keys, args
 
 
@@ -125,6 +130,16 @@ def _cases() -> list[Case]:
             lambda i: (LOCK, QUEUE, WAITERS, RECORDS),
             lambda i: (f"holder{i}.1", "0123456789ab", HOLDER, HEAD, "-"),
         ),
+        # As the lock sends its releases (sync.py, aio.py): by EVAL, which Redis
+        # hashes whole before it runs it (not counted by usec_per_call).
+        Case(
+            "queued_release (hand-off, by EVAL)",
+            scripts.QUEUED_RELEASE_SCRIPT,
+            handing,
+            lambda i: (LOCK, QUEUE, WAITERS, RECORDS),
+            lambda i: (f"holder{i}.1", "0123456789ab", HOLDER, HEAD, "-"),
+            by_eval=True,
+        ),
     ]
 
 
@@ -153,7 +168,7 @@ def _start(port: int, out: Path | None) -> subprocess.Popen:
 
 
 def _run(case: Case, port: int, calls: int, empty: bool) -> float:
-    """Run one case; return usec_per_call of its EVALSHA."""
+    """Run one case; return usec_per_call of its EVALSHA (or EVAL)."""
     r = redis.Redis(port=port)
     listener = redis.Redis(port=port).pubsub()
     listener.subscribe(HEAD + TAG)
@@ -163,26 +178,37 @@ def _run(case: Case, port: int, calls: int, empty: bool) -> float:
     for i in range(calls):
         case.prepare(r, i)
         keys, args = case.keys(i), case.args(i)
-        r.evalsha(sha, len(keys), *keys, *args)
+        if case.by_eval:
+            r.eval(source, len(keys), *keys, *args)
+        else:
+            r.evalsha(sha, len(keys), *keys, *args)
         if i % 64 == 0:
             while listener.get_message(timeout=0):
                 pass
     listener.close()
-    return float(r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+    stat = "cmdstat_eval" if case.by_eval else "cmdstat_evalsha"
+    return float(r.info("commandstats")[stat]["usec_per_call"])
 
 
-def _instructions(out: Path) -> int:
-    """Instructions counted inside evalShaCommand, from a callgrind output file."""
+def _instructions(out: Path, by_eval: bool) -> int:
+    """Instructions counted inside the script's command and the script lookup
+    Redis makes before it (``evalGetCommandFlags``: where an EVAL's source is
+    hashed), from a callgrind output file."""
     text = subprocess.run(
         ["callgrind_annotate", "--inclusive=yes", str(out)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
+    command = "evalCommand" if by_eval else "evalShaCommand"
+    found = {}
     for line in text.splitlines():
-        if re.search(r"\bevalShaCommand\b", line):
-            return int(line.split()[0].replace(",", ""))
-    raise RuntimeError("no evalShaCommand in the profile: is redis-server stripped?")
+        for name in (command, "evalGetCommandFlags"):
+            if name not in found and re.search(rf"\b{name}\b", line):
+                found[name] = int(line.split()[0].replace(",", ""))
+    if command not in found:
+        raise RuntimeError(f"no {command} in the profile: is redis-server stripped?")
+    return sum(found.values())
 
 
 def measure(case: Case, calls: int, callgrind: bool) -> tuple[float, float]:
@@ -199,7 +225,9 @@ def measure(case: Case, calls: int, callgrind: bool) -> tuple[float, float]:
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
-            results.append(_instructions(out) / calls if out is not None else usec)
+            results.append(
+                _instructions(out, case.by_eval) / calls if out is not None else usec
+            )
     return results[0], results[1]
 
 
