@@ -46,7 +46,11 @@ def trap(directory: Path) -> int:
 
     signal.signal(signal.SIGTERM, record)
     signal.signal(signal.SIGINT, record)
-    (directory / "ready").write_text(str(os.getpid()))
+    # Written whole, then renamed: a reader that sees "ready" also sees the pid
+    # (CI once read it empty, between the create and the write).
+    pending = directory / "ready.tmp"
+    pending.write_text(str(os.getpid()))
+    pending.replace(directory / "ready")
     time.sleep(DEADLINE)
     return 0
 
