@@ -123,23 +123,18 @@ def _cases() -> list[Case]:
             lambda i: fair_keys,
             lambda i: (f"waiter{i}~{TAG}.1", 10_000, META, WAITER, 3000, 2, "1"),
         ),
+    ] + [
+        # The second as the lock sends its releases (sync.py, aio.py): by EVAL,
+        # which Redis hashes whole before it runs it (not in usec_per_call).
         Case(
-            "queued_release (hand-off)",
+            "queued_release (hand-off" + (", by EVAL)" if by_eval else ")"),
             scripts.QUEUED_RELEASE_SCRIPT,
             handing,
             lambda i: (LOCK, QUEUE, WAITERS, RECORDS),
             lambda i: (f"holder{i}.1", "0123456789ab", HOLDER, HEAD, "-"),
-        ),
-        # As the lock sends its releases (sync.py, aio.py): by EVAL, which Redis
-        # hashes whole before it runs it (not counted by usec_per_call).
-        Case(
-            "queued_release (hand-off, by EVAL)",
-            scripts.QUEUED_RELEASE_SCRIPT,
-            handing,
-            lambda i: (LOCK, QUEUE, WAITERS, RECORDS),
-            lambda i: (f"holder{i}.1", "0123456789ab", HOLDER, HEAD, "-"),
-            by_eval=True,
-        ),
+            by_eval=by_eval,
+        )
+        for by_eval in (False, True)
     ]
 
 
