@@ -231,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--callgrind", action="store_true")
     parser.add_argument("--calls", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.calls is not None and args.calls < 1:
+        parser.error(f"--calls must be at least 1, not {args.calls}")
     if args.callgrind and shutil.which("valgrind") is None:
         parser.error("--callgrind needs valgrind (apt-get install valgrind)")
     calls = args.calls or (1000 if args.callgrind else 5000)
