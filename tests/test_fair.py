@@ -14,7 +14,6 @@ import concurrent.futures
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from harness.monitor import monitoring
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
 from redlock_django import LockError, LockLostError, Redlock, signals, wake
@@ -110,30 +110,6 @@ def _heard_from_the_start(waiter: Redlock) -> Iterator[Callable[[], None]]:
         yield waits
     finally:
         hub.unwatch(placeholder)
-
-
-@contextlib.contextmanager
-def _monitor(node: Any) -> Iterator[list[str]]:
-    """The commands ``node`` runs while the block runs (its MONITOR lines)."""
-    lines: list[str] = []
-    sock = socket.create_connection(("127.0.0.1", node.port), timeout=2.0)
-    sock.sendall(b"MONITOR\r\n")
-    sock.settimeout(None)
-
-    def read() -> None:
-        pending = b""
-        while data := sock.recv(65536):
-            *complete, pending = (pending + data).split(b"\r\n")
-            lines.extend(line.decode(errors="replace") for line in complete)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        yield lines
-    finally:
-        sock.shutdown(socket.SHUT_RDWR)
-        reader.join(2)
-        sock.close()
 
 
 def _assert_served_in_order_each_woken(
@@ -279,7 +255,7 @@ def test_waiting_fair_waiters_keep_their_places_fresh_with_their_attempts(
     reaches a node: the first in line's retries and the second's checks at its
     refresh time rewrite their entries."""
     holder, procs = line_up("fair:fresh", "ab", 0.05)
-    with _monitor(nodes[0]) as lines:
+    with monitoring(nodes[0]) as lines:
         time.sleep(QUEUE_LIFE + 1.0)
     assert queued(nodes, "fair:fresh") == [2] * len(nodes)
     enqueues = [line for line in lines if f'"{ENQUEUE_SCRIPT.sha}"' in line]

@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from harness.held import fence_key, lock_key, token_on, tokens
+from harness.monitor import monitoring
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
 from redlock_django import LockLostError, QuorumUnavailableError, Redlock
@@ -198,30 +198,6 @@ def run_in_thread(func: Any) -> Any:
 # Scenario 5: two clients splitting the vote.
 
 
-def monitor(node: Any, stop: threading.Event, lines: list[str]) -> threading.Thread:
-    """Collect the node's MONITOR output (one line per command) until ``stop``."""
-    sock = socket.create_connection(("127.0.0.1", node.port), timeout=1.0)
-    sock.sendall(b"MONITOR\r\n")
-    reader = sock.makefile("rb")
-    assert reader.readline() == b"+OK\r\n"
-    sock.settimeout(0.05)
-
-    def run() -> None:
-        with contextlib.closing(sock), contextlib.closing(reader):
-            while not stop.is_set():
-                try:
-                    line = reader.readline()
-                except (TimeoutError, OSError):
-                    continue
-                if not line:
-                    return
-                lines.append(line.decode(errors="replace").rstrip())
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 def test_racing_clients_split_votes_yet_never_both_win_a_round(
     settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet, matrix: Any
 ) -> None:
@@ -318,9 +294,6 @@ def test_retries_are_jittered_apart_between_competing_clients(
     }
     holder = Redlock("jitter")
     assert holder.acquire(blocking=False)
-    lines: list[str] = []
-    stop = threading.Event()
-    watcher = monitor(nodes[0], stop, lines)
     results: list[bool] = []
 
     def wait(lock: Redlock) -> None:
@@ -329,12 +302,11 @@ def test_retries_are_jittered_apart_between_competing_clients(
     waiters = [
         threading.Thread(target=wait, args=(Redlock("jitter"),)) for _ in range(2)
     ]
-    for thread in waiters:
-        thread.start()
-    for thread in waiters:
-        thread.join(5)
-    stop.set()
-    watcher.join(2)
+    with monitoring(nodes[0]) as lines:
+        for thread in waiters:
+            thread.start()
+        for thread in waiters:
+            thread.join(5)
     holder.release()
     assert results == [False, False]
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 
+from harness.monitor import monitoring
 from harness.nodes import (
     SERVER_ENV,
     NodeSet,
@@ -37,6 +38,18 @@ def test_five_nodes_listen_on_distinct_ports_and_answer_ping(nodes: NodeSet) -> 
         with node.client() as client:
             assert client.ping() is True
             assert client.info("server")["process_id"] == node.pid
+
+
+def test_monitoring_lists_every_command_across_quiet_spells(nodes: NodeSet) -> None:
+    """A node's MONITOR listing goes on after a spell with no commands, and holds
+    every command run before the block ends (a file reader with a timeout would
+    have stopped at the first quiet spell)."""
+    with nodes[0].client() as client, monitoring(nodes[0]) as lines:
+        client.echo("before-quiet")
+        time.sleep(0.3)
+        client.echo("after-quiet")
+    echoed = [line.split('"')[-2] for line in lines if '"ECHO"' in line]
+    assert echoed == ["before-quiet", "after-quiet"]
 
 
 def test_nodes_are_independent_servers(nodes: NodeSet) -> None:
