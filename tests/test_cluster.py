@@ -48,6 +48,23 @@ def test_windows_pair_grants_and_releases_cut_at_validity(tmp_path: Path) -> Non
     ]
 
 
+def test_a_late_release_receiver_does_not_stretch_the_window(tmp_path: Path) -> None:
+    # The release began at 1.3 s, 0.3 s into the hold by the lock's own clock; the
+    # receiver ran 0.2 s after the release returned (a worker starved of CPU), so
+    # "now - elapsed" says 1.5. The earlier of the two bounds is the window's end.
+    events = [
+        {"e": "acq", "r": "p", "t": 1.0, "until": 6.0, "tok": 1},
+        {"e": "rel", "r": "p", "t": 1.5, "tok": 1, "span": 0.3},
+        # A grant whose receiver ran late (its lock_acquired after a stall): its
+        # "now - elapsed" is the tighter bound.
+        {"e": "acq", "r": "p", "t": 2.5, "until": 7.0, "tok": 2},
+        {"e": "rel", "r": "p", "t": 2.6, "tok": 2, "span": 0.4},
+    ]
+    (tmp_path / "app1-7.jsonl").write_text("\n".join(json.dumps(e) for e in events))
+    spans = sorted((w.start, w.end) for w in checks.read_windows(tmp_path))
+    assert spans == [(1.0, pytest.approx(1.3)), (2.5, 2.6)]
+
+
 def test_overlaps_on_one_resource_only() -> None:
     a = Window("p", 0.0, 1.0, 1, "app1-1")
     b = Window("p", 0.5, 2.0, 2, "app2-1")  # overlaps a by 0.5 s

@@ -20,9 +20,10 @@ from loadtests.verdict import Check
 PRODUCT_RESOURCE_PREFIX = "shop.product:"
 # How far two windows may overlap before it counts: each end is stamped by a
 # signal receiver in the app process *after* the fact (the grant after the keys
-# are set, the release's start as "now - elapsed" once the release returned and
-# its bookkeeping ran), so a worker preempted between the two on a loaded machine
-# stretches its window by a scheduler slice. Smaller overlaps are reported apart.
+# are set; the release's start as the earlier of "now - elapsed" once the release
+# returned and its bookkeeping ran, and the grant's stamp plus the hold's span),
+# so a worker preempted at both ends on a loaded machine stretches its window by
+# a scheduler slice. Smaller overlaps are reported apart.
 OVERLAP_TOLERANCE = 0.025
 # Answers whose outcome the client cannot know: a timeout or a dropped connection
 # (0), nginx's 502 (the app host went away mid-request) and 504.
@@ -67,6 +68,8 @@ def read_windows(directory: Path) -> list[Window]:
             elif event["e"] == "rel" and resource in open_:
                 acq = open_.pop(resource)
                 end = min(event["t"], acq["until"])
+                if "span" in event:  # the other bound of the release's start
+                    end = min(end, acq["t"] + event["span"])
                 windows.append(
                     Window(resource, acq["t"], end, acq.get("tok"), path.stem)
                 )

@@ -8,8 +8,9 @@ appends one JSON line per event to ``<dir>/<host>-<pid>.jsonl``:
 - ``{"e": "acq", "r": resource, "t": start, "until": valid_until, "tok": token}``
   when a lock is granted (written at once: the nemesis reads it to find a worker
   in the middle of a purchase);
-- ``{"e": "rel", "r": resource, "t": end, "tok": token, "lost": reason}`` when it
-  is released; ``{"e": "ext", "r": resource, "t": now, "until": valid_until}``
+- ``{"e": "rel", "r": resource, "t": end, "span": s, "tok": token, "lost": reason}``
+  when it is released (``span``: from the grant's attempt to the release's start,
+  by the lock's clock); ``{"e": "ext", "r": resource, "t": now, "until": valid_until}``
   when its lease is extended (the shop does not, a watchdog would).
 
 Times are the kernel's CLOCK_MONOTONIC, one clock for every namespace of the
@@ -18,7 +19,10 @@ libfaketime moves the C library's clocks, monotonic included (its
 ``FAKETIME_DONT_FAKE_MONOTONIC=1`` breaks Python's ``time.sleep`` with EINVAL in
 0.9.10), but not the system call. Elsewhere it equals ``time.monotonic()``.
 A lock's window is from its grant to its release, cut at the end of its validity
-(``valid_until``): after that the library no longer claims it is held.
+(``valid_until``): after that the library no longer claims it is held. Both ends
+are upper bounds of the release's start (a receiver runs after the fact): "now -
+elapsed" at the release, and the grant's stamp plus ``span``; the checks take the
+earlier, so only a worker stalled at both ends stretches a window.
 """
 
 from __future__ import annotations
@@ -86,13 +90,18 @@ def _extended(sender: Any, lock: Any, resource: str, **details: Any) -> None:
 
 
 def _released(sender: Any, lock: Any, resource: str, **details: Any) -> None:
-    # The release began `elapsed` seconds ago: the lock was held until then.
-    end = kernel_monotonic() - float(details.get("elapsed") or 0.0)
+    # The release began `elapsed` seconds ago: the lock was held until then. A
+    # worker starved of CPU may run this receiver long after the release returned,
+    # so the hold's own span (grant attempt to release start, by the lock's clock)
+    # is recorded too: the checks take whichever bound is earlier.
+    elapsed = float(details.get("elapsed") or 0.0)
+    end = kernel_monotonic() - elapsed
     _record(
         {
             "e": "rel",
             "r": resource,
             "t": end,
+            "span": max(0.0, float(details.get("held") or 0.0) - elapsed),
             "tok": details.get("fencing_token"),
             "lost": None if details.get("lost") is None else str(details["lost"]),
         }
