@@ -167,6 +167,25 @@ def find(owner: object, identity: tuple[Any, ...]) -> Hold | None:
         return _holds.get(owner, {}).get(identity)
 
 
+def held_count() -> int:
+    """How many locks this process's running threads and tasks hold.
+
+    An owner that ended holding a lock (a thread that returned, a task done) holds
+    nothing: its lease runs out on the nodes, and it never sends ``lock_released``.
+    """
+    with _holds_lock:
+        owned = [(owner, len(held)) for owner, held in _holds.items()]
+    return sum(n for owner, n in owned if _running(owner))
+
+
+def _running(owner: object) -> bool:
+    if isinstance(owner, threading.Thread):
+        return owner.is_alive()
+    if isinstance(owner, asyncio.Task):
+        return not owner.done()
+    return True
+
+
 def put(owner: object, identity: tuple[Any, ...], hold: Hold) -> None:
     with _holds_lock:
         _holds.setdefault(owner, {})[identity] = hold

@@ -13,7 +13,7 @@ from typing import Any
 
 from django.dispatch import Signal
 
-from . import signals
+from . import holds, signals
 
 __all__ = ["install", "installed"]
 
@@ -49,7 +49,7 @@ def install() -> bool:
     if _installed:
         return True
     try:
-        from prometheus_client import Counter, Gauge, Histogram
+        from prometheus_client import Counter, Gauge, Histogram, values
     except ImportError:
         return False
 
@@ -73,6 +73,12 @@ def install() -> bool:
     lost = Counter("redlock_lost", "Leases lost (ran out or not extended) while held.")
     extended = Counter("redlock_extended", "Successful lease extensions.")
     current = Gauge("redlock_held", "Locks currently held by this process.")
+    # Read from the holds at each scrape, so a thread or task that ended holding a
+    # lock (no lock_released ever comes) stops counting. Prometheus's multiprocess
+    # mode cannot read a function: there the signals count up and down.
+    counted = values.ValueClass is not values.MutexValue
+    if not counted:
+        current.set_function(holds.held_count)
 
     acquired_seconds = acquire_seconds.labels("acquired")
     contended_seconds = acquire_seconds.labels("contended")
@@ -80,7 +86,8 @@ def install() -> bool:
 
     def on_acquired(waited: float, **kwargs: Any) -> None:
         acquired_seconds.observe(waited)
-        current.inc()
+        if counted:
+            current.inc()
 
     def on_contended(waited: float, **kwargs: Any) -> None:
         contended_seconds.observe(waited)
@@ -92,7 +99,8 @@ def install() -> bool:
 
     def on_released(held: float, **kwargs: Any) -> None:
         hold_seconds.observe(held)
-        current.dec()
+        if counted:
+            current.dec()
 
     def on_lost(**kwargs: Any) -> None:
         lost.inc()
@@ -114,6 +122,7 @@ def install() -> bool:
         )
     # A forked child holds none of its parent's locks (holds.py): it starts at 0,
     # or its gauge would count holds whose release it never sees.
-    os.register_at_fork(after_in_child=lambda: current.set(0))
+    if counted:
+        os.register_at_fork(after_in_child=lambda: current.set(0))
     _installed = True
     return True

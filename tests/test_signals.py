@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from threading import current_thread
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from harness.held import lock_key, tokens
+from harness.held import held_on, lock_key, tokens
 from harness.nodes import NodeSet
 from redlock_django import (
     LockContentionError,
@@ -221,6 +222,35 @@ def test_metrics_count_acquisitions_contention_and_holds(
     )
     assert sample("redlock_contended_total") == contended + 1
     assert sample("redlock_hold_seconds_count") == holds + 1
+    assert sample("redlock_held") == held
+
+
+def test_the_held_gauge_forgets_a_thread_that_ended_holding_its_lock(
+    nodes: Any, redlock_settings: dict[str, Any]
+) -> None:
+    """A thread that took a lock and ended without releasing it holds nothing any
+    more (its lease runs out on the nodes): ``redlock_held`` stops counting it
+    (old code: no ``lock_released``, so the gauge stayed one too high for good).
+    An asyncio task that ended holding its lock, likewise."""
+    held = sample("redlock_held")
+    thread = threading.Thread(target=lambda: Redlock("gauge:thread").acquire())
+    thread.start()
+    thread.join()
+    assert held_on(nodes, "gauge:thread") == len(nodes)  # still held on the nodes
+
+    async def forget() -> None:
+        await Redlock("gauge:task").aacquire()
+
+    async def main() -> None:
+        task = asyncio.create_task(forget())
+        await task
+        assert sample("redlock_held") == held
+
+    asyncio.run(main())
+    lock = Redlock("gauge:kept")
+    lock.acquire()
+    assert sample("redlock_held") == held + 1
+    lock.release()
     assert sample("redlock_held") == held
 
 
