@@ -193,7 +193,12 @@ def _sold_out(product: Product, quantity: int) -> JsonResponse:
 def _get_product(product_id: int) -> Product | None:
     if product_id > _MAX_PK:
         return None
-    return Product.objects.filter(pk=product_id).first()
+    # get(), not filter().first(): no ORDER BY to build, a quarter less CPU for the
+    # read inside the product's critical section (docs/benchmarks.md).
+    try:
+        return Product.objects.get(pk=product_id)
+    except Product.DoesNotExist:
+        return None
 
 
 def _check_order(
