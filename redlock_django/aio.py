@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
 from redis.exceptions import NoScriptError
 
+from .interrupts import interruption
 from .nodes import describe
 from .protocol import (
     LATE,
@@ -58,6 +59,7 @@ from .protocol import (
 )
 from .sockets import reset_on_close
 from .wake import AsyncWatch, Hub
+from .wire import texts
 
 __all__ = ["complete", "fanout", "run"]
 
@@ -102,7 +104,7 @@ async def _roundtrip(
         raise _NotSent("Connection closed.")
     # A direct write: redis-py's send_packed_command() wraps it in wait_for(), one
     # more task and one more timer that a busy loop could serve late.
-    writer.writelines(conn.pack_command(*command))
+    writer.writelines(conn.pack_command(*texts(command)))
     marks[k] = asyncio.get_running_loop().time()
     sock = writer.get_extra_info("socket")
     try:
@@ -144,10 +146,13 @@ async def _call(
     marks: list[float],
     got: list[NodeReply | None],
     over: list[bool],
+    interrupted: list[BaseException],
 ) -> None:
     """Run ``step`` on one node; put its reply in ``got[k]`` (before the
     connection goes back to the pool, so a fan-out that stops waiting still sees
-    it). Once ``over[0]`` (the fan-out returned) it writes nothing more."""
+    it). Once ``over[0]`` (the fan-out returned) it writes nothing more. A signal
+    handler's exception that lands here goes to ``interrupted``, for the fan-out
+    to raise: it is not the node's failure."""
     loop = asyncio.get_running_loop()
     tail = (len(step.keys), *step.keys, *step.args)
     # Clean-ups go as EVAL, as in sync.py: a frozen node may run them after the
@@ -191,7 +196,22 @@ async def _call(
     except _Ended:
         pass  # the fan-out already answered for this node
     except Exception as exc:
+        found = interruption(exc)
+        if found is not None:
+            interrupted.append(found)
         got[k] = NodeReply(error=describe(exc))
+
+
+def _raise_interruption(
+    calls: Iterable[asyncio.Future[None]], interrupted: list[BaseException]
+) -> None:
+    """Raise what interrupted a node call: a signal handler's exception it caught,
+    or one that ended it (one landing before its ``try``, where nothing catches)."""
+    if interrupted:
+        raise interrupted[0]
+    for call in calls:
+        if call.done() and not call.cancelled() and call.exception() is not None:
+            raise call.exception()  # type: ignore[misc]
 
 
 def _abandon(call: asyncio.Future[None], got: list[NodeReply | None], k: int) -> None:
@@ -218,9 +238,11 @@ async def fanout(
     got: list[NodeReply | None] = [None] * count
     #: Set when this fan-out stops waiting: calls left behind write nothing more.
     over = [False]
+    #: Signal handlers' exceptions raised in the calls, raised here.
+    interrupted: list[BaseException] = []
     calls = [
         asyncio.ensure_future(
-            _call(clients[i].connection_pool, step, k, marks, got, over)
+            _call(clients[i].connection_pool, step, k, marks, got, over, interrupted)
         )
         for k, i in enumerate(targets)
     ]
@@ -244,6 +266,7 @@ async def fanout(
                 done, pending = await asyncio.wait(
                     pending, timeout=deadline - now, return_when=asyncio.FIRST_COMPLETED
                 )
+                _raise_interruption(done, interrupted)
                 for call in done:
                     reply = got[index[call]]
                     if winning is not None and reply is not None and reply.ok:
@@ -279,6 +302,7 @@ async def fanout(
         lag = loop.time() - deadline
         if why != UNAWAITED and lag > LATE_SLACK * timeout:
             why = f"{LATE}: the loop got to it {lag * 1000:.0f} ms after its deadline"
+        _raise_interruption(calls, interrupted)
         over[0] = True
         given_up = []
         for call in pending:
@@ -305,6 +329,7 @@ async def fanout(
                 _leave(call)
     if given_up:
         await asyncio.gather(*given_up, return_exceptions=True)
+        _raise_interruption(calls, interrupted)
     return [NodeReply(error=why) if reply is None else reply for reply in got]
 
 

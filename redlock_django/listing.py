@@ -51,6 +51,7 @@ from . import meta
 from . import nodes as node_pools
 from .address import NodeSpec
 from .conf import RedlockSettings, get_settings
+from .interrupts import reraise_interruption
 from .keys import (
     MAX_NAME_LENGTH,
     check_resource,
@@ -200,10 +201,22 @@ def token_digest(token: bytes | str) -> str:
 # --- running on every node ------------------------------------------------------
 
 
+#: The clients of the last pools listed: the pools are cached until the settings
+#: change, and a client built per call costs its construction and, when dropped,
+#: a finalizer (where a Ctrl-C landing is lost: Python ignores it there).
+_last_clients: tuple[tuple[redis.ConnectionPool, ...], list[redis.Redis]] | None = None
+
+
 def _clients(conf: RedlockSettings) -> list[redis.Redis]:
+    global _last_clients
     timeout = max(conf.node_timeout, INSPECT_TIMEOUT)
     pools = node_pools.sync_pools(conf.nodes, timeout)
-    return [redis.Redis(connection_pool=pool) for pool in pools]
+    last = _last_clients
+    if last is not None and last[0] is pools:
+        return last[1]
+    clients = [redis.Redis(connection_pool=pool) for pool in pools]
+    _last_clients = (pools, clients)
+    return clients
 
 
 def _on_every_node(
@@ -216,6 +229,7 @@ def _on_every_node(
         try:
             return work(client)
         except Exception as exc:
+            reraise_interruption(exc)  # inline, on the caller's thread
             return exc
 
     if len(clients) == 1:

@@ -12,6 +12,10 @@ they are cached per loop; their connections refer to the loop, so a closed loop'
 are closed by hand when the next loop starts (``asyncio.run()`` per call would
 otherwise keep every loop and one socket per node).
 
+Blocking connections pack redis-py's commands with ``wire.TextPacker`` (hiredis,
+numbers written out first): hiredis formats a number with an unchecked ``repr()``,
+which runs pending signal handlers, so a Ctrl-C landing there crashed the process.
+
 Blocking TLS connections use redis-py's pure-Python reply parser, even when hiredis
 is installed. With TLS 1.3 the server sends its session tickets just after the
 handshake; with nothing sent on connect, they are still unread when the pool checks
@@ -50,6 +54,7 @@ from redis.retry import Retry
 from .address import NodeSpec, connection_params
 from .protocol import TIMED_OUT
 from .sockets import shut_down
+from .wire import TextPacker
 
 try:  # private: a redis-py without it leaves TLS connections their default parser
     from redis._parsers import _RESP2Parser
@@ -134,6 +139,8 @@ def sync_pools(
                 made = []
                 for node in nodes:
                     connection_class, kwargs = _kwargs(node, timeout)
+                    if TextPacker.usable():
+                        kwargs["command_packer"] = TextPacker()
                     if _RESP2Parser is not None and issubclass(
                         connection_class, redis.connection.SSLConnection
                     ):

@@ -501,6 +501,11 @@ def acquire_flow(
             if place is not None:
                 place.attempt, place.started = attempt, start
                 place.cleaned = ()
+            # From the attempt's write to its grant or clean-up, whatever stops
+            # the flow (an interruption thrown in at a step, or raised by a signal
+            # handler in this code) first unlocks every node: a key left behind
+            # would keep others off until its lease ends. A clean-up cut short
+            # is sent again in full.
             try:
                 replies: Replies = yield Fanout(
                     script,
@@ -509,24 +514,20 @@ def acquire_flow(
                     need=spec.quorum,
                     wins=granted,
                 )
-            except BaseException:
-                yield _cleanup(spec, mine)
-                raise
-            won = tuple(
-                i for i, r in zip(every, replies, strict=True) if granted(r.value)
-            )
-            failed = _failed(spec, replies, every)
-            left = validity(spec.ttl, clock() - start, spec.drift_factor)
-            fencing_token = None
-            if len(won) >= spec.quorum and left > 0 and spec.fence_key is not None:
-                # Each granting node raised its counter by one: the token is the
-                # highest. Once a majority's counters are at it, every later
-                # majority meets one of them and draws past it; when fewer granting
-                # nodes reached it, it is written back to them first.
-                drawn = [replies[i].value for i in won]
-                fencing_token = max(drawn)
-                if drawn.count(fencing_token) < spec.quorum:
-                    try:
+                won = tuple(
+                    i for i, r in zip(every, replies, strict=True) if granted(r.value)
+                )
+                failed = _failed(spec, replies, every)
+                left = validity(spec.ttl, clock() - start, spec.drift_factor)
+                fencing_token = None
+                if len(won) >= spec.quorum and left > 0 and spec.fence_key is not None:
+                    # Each granting node raised its counter by one: the token is
+                    # the highest. Once a majority's counters are at it, every later
+                    # majority meets one of them and draws past it; when fewer
+                    # granting nodes reached it, it is written back to them first.
+                    drawn = [replies[i].value for i in won]
+                    fencing_token = max(drawn)
+                    if drawn.count(fencing_token) < spec.quorum:
                         confirms: Replies = yield Fanout(
                             FENCE_SCRIPT,
                             fenced,
@@ -535,39 +536,43 @@ def acquire_flow(
                             need=spec.quorum,
                             wins=confirmed,
                         )
-                    except BaseException:
-                        yield _cleanup(spec, mine)
-                        raise
-                    failed.update(_failed(spec, confirms, won))
-                    won = tuple(
-                        i
-                        for i, r in zip(won, confirms, strict=True)
-                        if confirmed(r.value)
+                        failed.update(_failed(spec, confirms, won))
+                        won = tuple(
+                            i
+                            for i, r in zip(won, confirms, strict=True)
+                            if confirmed(r.value)
+                        )
+                        left = validity(spec.ttl, clock() - start, spec.drift_factor)
+                if len(won) >= spec.quorum and left > 0:
+                    valid_until = start + spec.ttl - drift(spec.ttl, spec.drift_factor)
+                    return Grant(
+                        mine, start, valid_until, won, fencing_token, attempt, wakeups
                     )
-                    left = validity(spec.ttl, clock() - start, spec.drift_factor)
-            if len(won) >= spec.quorum and left > 0:
-                valid_until = start + spec.ttl - drift(spec.ttl, spec.drift_factor)
-                return Grant(
-                    mine, start, valid_until, won, fencing_token, attempt, wakeups
-                )
 
-            # Failed attempt: unlock every node that may hold our key: those that
-            # granted, and those that did not answer (the write may have landed and
-            # only its reply been lost). A node that answered "held by another" (-1)
-            # or "not your turn" (-2, a fair lock) wrote nothing, so under plain
-            # contention a failed try costs one round trip, not two.
-            suspect = tuple(
-                i
-                for i, r in zip(every, replies, strict=True)
-                if not r.ok or not refused(r.value)
-            )
-            if suspect:
-                if place is not None:
-                    # A release may hand this attempt the lock on a node whose
-                    # reply was late; this clean-up then deletes it there (before
-                    # or after the hand-off): those nodes never count for one.
-                    place.cleaned = suspect
-                yield _cleanup(spec, mine, suspect)
+                # Failed attempt: unlock every node that may hold our key: those
+                # that granted, and those that did not answer (the write may have
+                # landed and only its reply been lost). A node that answered "held
+                # by another" (-1) or "not your turn" (-2, a fair lock) wrote
+                # nothing, so under plain contention a failed try costs one round
+                # trip, not two.
+                suspect = tuple(
+                    i
+                    for i, r in zip(every, replies, strict=True)
+                    if not r.ok or not refused(r.value)
+                )
+                if suspect:
+                    if place is not None:
+                        # A release may hand this attempt the lock on a node whose
+                        # reply was late; this clean-up then deletes it there
+                        # (before or after the hand-off): those nodes never count
+                        # for one.
+                        place.cleaned = suspect
+                    yield _cleanup(spec, mine, suspect)
+            except GeneratorExit:
+                raise
+            except BaseException:
+                yield _cleanup(spec, mine)
+                raise
             if place is not None:
                 tickets = [t for t in map(queued_with, (r.value for r in replies)) if t]
                 if queueing:

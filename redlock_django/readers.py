@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from .interrupts import reraise_interruption
 from .nodes import describe
 from .wire import pending_replies
 
@@ -70,9 +71,10 @@ class Link:
             self._asked.update(fresh)
             try:
                 conn.send_command("SUBSCRIBE", *fresh)
-            except Exception:
+            except Exception as exc:
                 # The reader sees the broken socket on its next read and reconnects.
                 self._asked.difference_update(fresh)
+                reraise_interruption(exc)  # asked from the waiter's thread
 
     def connect(self) -> None:
         """Connect and subscribe to the wanted channels (in a thread of its own:

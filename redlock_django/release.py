@@ -66,6 +66,7 @@ from django.db import connections, transaction
 
 from . import holds
 from .exceptions import LockLostError, LockNotOwnedError
+from .interrupts import reraise_interruption
 from .lock import Redlock
 
 __all__ = ["Held"]
@@ -255,6 +256,7 @@ class Held:
         try:
             self.lock.release()
         except Exception as exc:
+            reraise_interruption(exc)
             self._log_failure(exc, raised)
 
     def _stop_extending(self) -> None:
@@ -270,6 +272,7 @@ class Held:
         try:
             await self.lock.arelease()
         except Exception as exc:
+            reraise_interruption(exc)
             self._log_failure(exc, raised)
 
     def _wait_for_commit(self) -> bool:

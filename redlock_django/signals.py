@@ -32,7 +32,8 @@ receivers) costs about a dictionary lookup: they are always sent. They are sent
 with ``send()`` below: a receiver that raises is logged (ERROR, on Django's
 ``django.dispatch`` logger) and never interrupts the lock, whose state must not
 depend on a receiver (a lock granted but never returned to its caller would
-stay held).
+stay held). What a signal handler raises while a receiver runs (a Celery soft
+time limit) is the caller's interruption, and is raised.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from __future__ import annotations
 from typing import Any
 
 from django.dispatch import Signal
+
+from .interrupts import reraise_interruption
 
 __all__ = [
     "lock_acquired",
@@ -60,5 +63,12 @@ lock_lost = Signal(use_caching=True)
 
 def send(signal: Signal, sender: type, **named: Any) -> None:
     """Send ``signal`` to every receiver; what a receiver raises is logged by
-    Django (ERROR, on the ``django.dispatch`` logger), never raised here."""
-    signal.send_robust(sender=sender, **named)
+    Django (ERROR, on the ``django.dispatch`` logger), never raised here.
+
+    Except what a signal handler raised while a receiver ran (a Celery soft time
+    limit): it is the caller's interruption, not the receiver's failure, and is
+    raised once every receiver ran.
+    """
+    for _receiver, result in signal.send_robust(sender=sender, **named):
+        if isinstance(result, BaseException):
+            reraise_interruption(result)

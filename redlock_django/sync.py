@@ -48,6 +48,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
+from .interrupts import interruption, reraise_interruption
 from .nodes import describe
 from .protocol import (
     LATE,
@@ -171,9 +172,13 @@ def _settle(idle: _Idle) -> None:
             _read_response(conn, _MIN_WAIT)
         except redis.ResponseError:
             pass  # an error reply (NOSCRIPT, ...) is the owed reply too
-        except Exception:
+        except Exception as exc:
             abort(conn)  # read_response() dropped it already, on most errors
+            reraise_interruption(exc)
             continue
+        except BaseException:
+            abort(conn)
+            raise
         _give(idle, conn)
 
 
@@ -220,6 +225,7 @@ class _Round:
         "pools",
         "portable",
         "replies",
+        "sent",
         "step",
         "timeout",
         "waiting",
@@ -245,6 +251,8 @@ class _Round:
         self.why = TIMED_OUT
         #: When the last look at the replies, past the deadline, was taken.
         self.looked = math.inf
+        #: Calls written to but not yet waited on (dropped if interrupted then).
+        self.sent: list[_Call] = []
 
     def send(self, targets: Sequence[int]) -> None:
         """Write the command to every node before any reply is read."""
@@ -255,7 +263,7 @@ class _Round:
         # after a NOSCRIPT. Redis caches the script either way.
         command = _command(step, by_sha=not step.critical)
         pid = os.getpid()
-        sent: list[_Call] = []
+        sent = self.sent
         taken = [(i, *_take(pools[i], pid)) for i in targets]
         # An idle connection the server closed is replaced before it carries the
         # command: one that breaks after the write fails its node (_answer).
@@ -281,6 +289,7 @@ class _Round:
                 _send(conn, self.packed)
             except Exception as exc:
                 abort(conn)
+                reraise_interruption(exc)
                 if not reused:
                     _stalled(idle, exc)
                     replies[i] = NodeReply(error=describe(exc))
@@ -289,6 +298,9 @@ class _Round:
                 # out when used; the command did not run, so send it on a new one.
                 if not self._again(call, stalled=True):
                     continue
+            except BaseException:
+                abort(conn)
+                raise
             sent.append(call)
         # Connected now: each class's path is known (probed at its first connection).
         for call in sent:
@@ -298,6 +310,7 @@ class _Round:
         for call in sent:
             self._wait(call)
             self.any_tls = self.any_tls or _is_tls(call.conn)
+        self.sent = []
         # Each node gets a whole NODE_TIMEOUT after its command went out, however
         # long the writes took this thread (connects, other threads holding the GIL).
         self.deadline = time.monotonic() + self.timeout
@@ -313,10 +326,14 @@ class _Round:
             conn.send_packed_command(self.packed, check_health=False)
         except Exception as exc:
             abort(conn)
+            reraise_interruption(exc)
             if stalled:
                 _stalled(call.idle, exc)
             self.replies[call.index] = NodeReply(error=describe(exc))
             return False
+        except BaseException:
+            abort(conn)
+            raise
         call.conn, call.reused = conn, False
         return True
 
@@ -421,11 +438,13 @@ class _Round:
                 # The connection broke between the NOSCRIPT and the resend: this
                 # node failed, like any other.
                 abort(conn)
+                reraise_interruption(exc)
                 replies[i] = NodeReply(error=describe(exc))
                 return False
             call.reused, call.resent = False, True
         except redis.ConnectionError as exc:
             abort(conn)
+            reraise_interruption(exc)  # redis-py rewraps what broke its read
             if not call.reused or time.monotonic() >= self.deadline:
                 replies[i] = NodeReply(error=describe(exc))
                 return False
@@ -439,9 +458,13 @@ class _Round:
                 return False
         except Exception as exc:
             abort(conn)
+            reraise_interruption(exc)
             late = final and isinstance(exc, redis.TimeoutError)
             replies[i] = NodeReply(error=self.why if late else describe(exc))
             return False
+        except BaseException:
+            abort(conn)
+            raise
         else:
             if value is INCOMPLETE:  # the rest of it is waited for with the others
                 self._wait(call)
@@ -462,6 +485,9 @@ class _Round:
 
         An interrupted fan-out (``finished`` False) drops them instead: never reused.
         """
+        for call in self.sent:  # interrupted while writing: none is waited on
+            abort(call.conn)
+        self.sent = []
         if not self.waiting:
             return
         why = self.why
@@ -490,9 +516,9 @@ def fanout(
     """Run ``step`` on its nodes at once; return one reply per targeted node."""
     targets = range(len(pools)) if step.nodes is None else step.nodes
     round_ = _Round(pools, step, timeout)
-    round_.send(targets)
     finished = False
     try:
+        round_.send(targets)
         round_.read()
         finished = True
     finally:
@@ -514,30 +540,56 @@ def run(
     released. An interruption (KeyboardInterrupt) during a step is thrown into the
     flow, so its clean-up steps still run before the interruption propagates.
     """
-    reply: Any = None
     pending: BaseException | None = None
-    watch: SyncWatch | None = None
+    watching: list[SyncWatch] = []
     try:
         while True:
             try:
-                step: Step = flow.throw(pending) if pending else flow.send(reply)
-            except StopIteration as stop:
-                return stop.value
-            pending = None
-            try:
-                if not isinstance(step, Sleep):
-                    reply = fanout(pools, step, timeout)
-                    continue
-                reply = None
-                if step.wake is None or hub is None:
-                    sleep(step.seconds)
-                    continue
-                if watch is None:
-                    watch = SyncWatch(step.wake.encode(), step.waiter)
-                    hub.watch(watch, step.since)
-                reply = watch.wait(step.seconds)
+                return _steps(flow, pending, pools, timeout, sleep, hub, watching)
             except BaseException as exc:
-                pending = exc
+                if flow.gi_frame is None:
+                    raise  # the flow's own outcome, or it ended with the exception
+                # Raised in a step, or between two (a signal handler's exception
+                # where the flow just yielded): it is thrown in at the step, so
+                # the flow's clean-up runs. One landing inside the standard
+                # library's threading (Condition.wait, Thread.start) makes it
+                # raise an error of its own: the flow is told of the interruption.
+                pending = interruption(exc) or exc
     finally:
-        if watch is not None and hub is not None:
-            hub.unwatch(watch)
+        if watching and hub is not None:
+            hub.unwatch(watching[0])
+
+
+def _steps(
+    flow: Any,
+    pending: BaseException | None,
+    pools: Sequence[redis.ConnectionPool],
+    timeout: float,
+    sleep: Callable[[float], None],
+    hub: Hub | None,
+    watching: list[SyncWatch],
+) -> Any:
+    """Run ``flow``'s steps (after throwing ``pending`` in, if any) to its end.
+
+    A loop of its own frame: CPython can miss the ``try`` around a loop when a
+    signal handler raises at the loop's backward jump (python/cpython#108214);
+    an exception leaving a frame always reaches the caller's ``try``.
+    """
+    reply: Any = None
+    while True:
+        try:
+            step: Step = flow.throw(pending) if pending else flow.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        pending = None
+        if not isinstance(step, Sleep):
+            reply = fanout(pools, step, timeout)
+            continue
+        reply = None
+        if step.wake is None or hub is None:
+            sleep(step.seconds)
+            continue
+        if not watching:
+            watching.append(SyncWatch(step.wake.encode(), step.waiter))
+            hub.watch(watching[0], step.since)
+        reply = watching[0].wait(step.seconds)

@@ -36,6 +36,7 @@ from django.dispatch import Signal
 
 from . import signals
 from .exceptions import LockError
+from .interrupts import reraise_interruption
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -91,7 +92,8 @@ def _guarded(
             return
         try:
             receiver(**kwargs)
-        except Exception:
+        except Exception as exc:
+            reraise_interruption(exc)
             logger.exception("redlock tracing: %s failed", receiver.__name__)
 
     return guarded

@@ -39,6 +39,7 @@ import redis
 from django.core.signals import setting_changed
 
 from .address import NodeSpec
+from .interrupts import reraise_interruption
 from .nodes import sync_pools
 from .protocol import LockSpec
 from .readers import Reader
@@ -215,12 +216,18 @@ class Hub:
         if start:
             try:
                 reader.start()
-            except RuntimeError as exc:
-                # No thread now (a pids limit, a burst of threads): wake-ups are a
-                # hint, so this waiter sleeps out its retry; the next one tries again.
+            except BaseException as exc:
+                # No thread now (a pids limit, a burst of threads), or a signal
+                # handler's exception (Ctrl-C, a soft time limit) ended start():
+                # the slot is freed, so the next waiter starts a reader. A thread
+                # that did start is then not the hub's, and ends (``keep``).
                 with self._lock:
                     if self._reader is reader:
                         self._reader = None
+                if not isinstance(exc, RuntimeError):
+                    raise
+                reraise_interruption(exc)
+                # Wake-ups are a hint: this waiter sleeps out its retry.
                 logger.info("redlock wake-ups off for now: %s", exc)
         else:
             for link in reader.links:
@@ -279,9 +286,15 @@ class Hub:
             return set(self._watches) | set(self._idle)
 
     def keep(self, reader: Reader) -> bool:
-        """Whether ``reader`` still has work; a reader told no is forgotten."""
+        """Whether ``reader`` still has work; a reader told no is forgotten.
+
+        A reader that is not the hub's (its start was interrupted, and another
+        took the slot, or none yet) is told no: one reader per hub.
+        """
         wanted = self.wanted()
         with self._lock:
+            if self._reader is not reader:
+                return False
             if not self._closed and (wanted or self._watches):
                 return True
             if self._reader is reader:

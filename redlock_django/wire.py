@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import redis
 
 from . import sockets
+from .interrupts import reraise_interruption
 
 try:
     import hiredis as _hiredis
@@ -58,6 +59,7 @@ __all__ = [
     "PORTABLE",
     "SLICE",
     "Path",
+    "TextPacker",
     "abort",
     "arrived",
     "clean",
@@ -69,6 +71,7 @@ __all__ = [
     "read",
     "read_response",
     "send",
+    "texts",
     "wait_one",
 ]
 
@@ -182,17 +185,55 @@ def arrived(conn: Any) -> bool:
     """
     try:
         return bool(conn.can_read(0))
-    except Exception:
+    except Exception as exc:
+        reraise_interruption(exc)
         return True
+
+
+def texts(command: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``command`` with its numbers written out, ready for hiredis to pack.
+
+    hiredis's ``pack_command`` (3.x, and redis-py's packer when hiredis is there)
+    formats a number with ``repr()`` and never checks that it failed: ``repr()`` of
+    an int runs pending signal handlers, so one that raises there (a Celery soft
+    time limit, Ctrl-C) crashes the process. ``str()`` here raises it cleanly.
+    """
+    return tuple(str(a) if type(a) is int or type(a) is float else a for a in command)
+
+
+class TextPacker:
+    """redis-py's hiredis command packer, given commands with numbers written out.
+
+    The blocking pools pack every redis-py command (a listing's SCAN COUNT, a
+    force release's EVAL numkeys) with this, so a signal handler that raises
+    while one is packed comes out as itself instead of crashing hiredis (see
+    ``texts``). ``usable()`` says whether this redis-py and hiredis have it.
+    """
+
+    def __init__(self) -> None:
+        self._packer = redis.connection.HiredisRespSerializer()
+
+    @staticmethod
+    def usable() -> bool:
+        """Whether redis-py packs with hiredis here (and has its packer class)."""
+        return _hiredis is not None and hasattr(
+            redis.connection, "HiredisRespSerializer"
+        )
+
+    def pack(self, *args: Any) -> list[bytes]:
+        """Pack one command as redis-py's hiredis packer does, numbers as text."""
+        packed: list[bytes] = self._packer.pack(*texts(args))
+        return packed
 
 
 def pack(conn: Any, command: tuple[Any, ...]) -> Any:
     """Encode ``command`` as RESP once for every node of a fan-out.
 
-    On the fast path, our commands (a name then str/int arguments) go to hiredis
-    as they are, without redis-py's per-argument checks; otherwise the connection
-    packs them.
+    On the fast path, our commands (a name then str arguments, see ``texts``) go
+    to hiredis as they are, without redis-py's per-argument checks; otherwise the
+    connection packs them.
     """
+    command = texts(command)
     path = PATHS.get(type(conn))
     if _hiredis is not None and path is not None and path.name == FAST:
         try:
@@ -388,5 +429,6 @@ def wait_one(conn: Any, timeout: float) -> bool:
     """Wait up to ``timeout`` for a reply on ``conn``; say whether one came."""
     try:
         return bool(conn.can_read(timeout))
-    except Exception:
+    except Exception as exc:
+        reraise_interruption(exc)
         return True

@@ -595,6 +595,18 @@ def test_a_task_requeued_after_its_process_was_killed_runs_again_at_once(
     freed_after(nodes, f"lost:{name}", 5.0)
 
 
+def _skipping_job(app: Celery) -> Any:
+    """A task of ``app`` locked on ``reclaim:{name}`` that skips when it is held."""
+
+    @app.task(
+        base=RedlockTask, lock="reclaim:{name}", lock_on_contention="skip", shared=False
+    )
+    def job(name: str) -> str:
+        return "ran"
+
+    return job
+
+
 @pytest.mark.parametrize(
     "holder", ["dead", "alive", "dead-in-another-namespace", "another-task-dead"]
 )
@@ -607,14 +619,7 @@ def test_a_task_frees_only_a_dead_run_of_its_own_in_its_own_pid_namespace(
     does a dead run that wrote another pid namespace (a container sharing the host
     name, whose pids this process cannot see), and another task's dead run: they
     are left to their TTL and the copy skips."""
-    app = Celery("reclaim", broker=broker.url)
-
-    @app.task(
-        base=RedlockTask, lock="reclaim:{name}", lock_on_contention="skip", shared=False
-    )
-    def job(name: str) -> str:
-        return "ran"
-
+    job = _skipping_job(Celery("reclaim", broker=broker.url))
     name, task_id = unique("reclaim"), str(uuid.uuid4())
     resource = f"reclaim:{name}"
     owner = str(uuid.uuid4()) if holder == "another-task-dead" else task_id
@@ -657,6 +662,63 @@ def test_a_task_frees_only_a_dead_run_of_its_own_in_its_own_pid_namespace(
     else:
         assert outcome is None  # skipped
         assert held_on(nodes, resource) == len(nodes)
+
+
+class _Interrupted(Exception):
+    """What the test's SIGALRM handler raises, as Celery's soft time limit raises
+    SoftTimeLimitExceeded (an ``Exception``) from its SIGUSR1 handler."""
+
+
+def test_a_soft_time_limit_while_looking_for_a_dead_holder_ends_the_task(
+    settings: Any, redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A task finding its lock held looks at the holder (a dead run of its own is
+    freed); a soft time limit landing during that look must end the task, not be
+    taken for a failed look and swallowed (the task then went on to its policy:
+    it waited for the lock past its limit, or here skipped as if on time)."""
+    job = _skipping_job(Celery("reclaim-interrupted", set_as_current=False))
+    name, task_id = unique("reclaim-interrupted"), str(uuid.uuid4())
+    resource = f"reclaim:{name}"
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def raise_interrupted(signum: int, frame: Any) -> None:
+        raise _Interrupted("soft time limit")
+
+    with proxies_for(nodes) as proxies, Redlock(resource, nodes=nodes.urls, ttl=30):
+        settings.REDLOCK = {
+            **redlock_settings,
+            "NODES": [proxy.url for proxy in proxies],
+            "WAKE_UPS": False,
+        }
+        for proxy in proxies:
+            proxy.hold_reply_to(b"HGETALL")  # the look at the holder
+
+        def limit() -> None:
+            # The soft time limit, once every node's look is under way.
+            if all(proxy.wait_for_held_replies(1, timeout=10) for proxy in proxies):
+                signal.pthread_kill(main, signal.SIGALRM)
+            for proxy in proxies:
+                proxy.release_held_replies()
+
+        previous = signal.signal(signal.SIGALRM, raise_interrupted)
+        timer = threading.Thread(target=limit)
+        job.push_request(
+            id=task_id, args=[name], kwargs={}, retries=0, called_directly=False
+        )
+        outcome: object
+        try:
+            timer.start()
+            try:
+                outcome = job(name)
+            except _Interrupted:
+                outcome = "interrupted"
+        finally:
+            job.pop_request()
+            timer.join(15)
+            signal.signal(signal.SIGALRM, previous)
+    assert outcome == "interrupted", f"the task ended with {outcome!r}"
+    assert held_on(nodes, resource) == 0
 
 
 # Eager mode: the task runs in this process, under the same lock.

@@ -13,17 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import gc
+import inspect
 import logging
 import math
 import multiprocessing
 import os
+import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from harness.held import held_on, lock_key
 from harness.nodes import NodeSet
@@ -33,9 +40,11 @@ from redlock_django import (
     LockError,
     LockLostError,
     Redlock,
+    aio,
     signals,
 )
 from redlock_django.scripts import EXTEND_SCRIPT
+from tests._forked import Report, in_forked_child
 
 # A forked child starts with none of its parent's holds.
 
@@ -723,3 +732,221 @@ async def test_an_acquire_undone_after_its_grant_and_cancelled_meanwhile_is_pair
     assert acquired == [resource]
     assert released == [resource]
     assert held_on(nodes, resource) == 0
+
+
+def _refused_until(waiter: Redlock, fired: list[str], wait: float) -> None:
+    """Refused attempts (each waiting up to ``wait`` seconds) until a shot fired.
+
+    A frame of its own: CPython (3.11 to 3.13 at least, python/cpython#108214)
+    can miss the ``try`` around a loop this small when a signal handler raises at
+    the loop's backward jump; an exception leaving the frame is never missed."""
+    while not fired:
+        assert not waiter.acquire(blocking=wait > 0, timeout=wait or None)
+
+
+def _shot_handler(fired: list[str]) -> Callable[[int, Any], None]:
+    """A SIGALRM handler that notes where it landed in ``fired`` and raises."""
+
+    def raise_interrupted(signum: int, frame: Any) -> None:
+        fired.append("".join(traceback.format_stack(frame, limit=4)))
+        raise _Interrupted("interrupted by a signal handler")
+
+    return raise_interrupted
+
+
+def _interrupted_attempts(resource: str, urls: list[str], wait: float) -> Any:
+    """In a forked child: aim timers at random points of refused attempts; return
+    the interruptions ``acquire()`` swallowed (where each landed) and the depth."""
+    fired: list[str] = []
+    signal.signal(signal.SIGALRM, _shot_handler(fired))
+    gc.freeze()  # what the process holds now: never collected, never scanned
+    rng = random.Random(12)
+    waiter = Redlock(resource, nodes=urls, reentrant=False)
+    assert not waiter.acquire(blocking=False)  # connected, scripts loaded
+    swallowed: list[str] = []
+    for _ in range(_SHOTS):
+        # What the last shot dropped (connections in reference cycles) is
+        # collected now: a signal landing in a finalizer is lost by Python.
+        gc.collect()
+        fired.clear()
+        try:
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, 0.002))
+            _refused_until(waiter, fired, wait)
+            swallowed.append(fired[0])  # fired, yet acquire() returned
+        except _Interrupted:
+            pass
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    return swallowed, waiter.depth
+
+
+_SHOTS = 300
+
+
+def _assert_lived(report: Report) -> None:
+    """The child reported back, without raising and without crashing."""
+    assert report.outcome != "raised", report.value
+    assert report.exitcode == 0, (
+        f"the child process ended with status {report.exitcode} "
+        f"(-{int(signal.SIGSEGV)}: a segmentation fault)"
+    )
+    assert report.outcome == "done", report.outcome
+
+
+@pytest.mark.parametrize("wait", [0.0, 0.03], ids=["refused-at-once", "waiting"])
+def test_a_signal_handlers_exception_during_an_attempt_comes_out_of_acquire(
+    redlock_settings: dict[str, Any], nodes: NodeSet, wait: float
+) -> None:
+    """A signal handler that raises an ordinary ``Exception`` (a Celery soft time
+    limit raises SoftTimeLimitExceeded from SIGUSR1) while ``acquire()`` talks to
+    the nodes must end that ``acquire()`` with the exception, wherever the signal
+    lands: packing or writing the command, reading a reply, a signal receiver.
+    Taken for a node's failure, it was swallowed, and a task past its soft time
+    limit waited on for the lock; landing in hiredis's ``pack_command`` it
+    crashed the process (a segmentation fault).
+
+    Waiting (between attempts, for a wake-up), it may land inside the standard
+    library's ``threading`` (``Condition.wait``, ``Thread.start``), which then
+    raises a ``RuntimeError`` or ``KeyError`` of its own: the caller must still
+    get the interruption itself.
+
+    In a child process (a crash is seen as its exit status): timers aimed at
+    random points of refused attempts on a held lock; every shot that fired must
+    come out of ``acquire()``, as itself."""
+    resource = "holds:interrupted-attempt"
+    with Redlock(resource, nodes=nodes.urls, ttl=30):
+        report = in_forked_child(
+            functools.partial(_interrupted_attempts, resource, nodes.urls, wait), 60
+        )
+    _assert_lived(report)
+    swallowed, depth = report.value
+    assert swallowed == [], (
+        f"{len(swallowed)} of {_SHOTS} interruptions were swallowed; the first "
+        f"landed in:\n{swallowed[0]}"
+    )
+    assert depth == 0
+    assert held_on(nodes, resource) == 0
+
+
+async def _arefused_until(waiter: Redlock, fired: list[str], wait: float) -> None:
+    """Refused ``aacquire()`` attempts (each waiting up to ``wait`` s) until a
+    shot fired."""
+    while not fired:
+        assert not await waiter.aacquire(blocking=wait > 0, timeout=wait or None)
+
+
+def _interrupted_async_attempts(resource: str, urls: list[str], wait: float) -> Any:
+    """In a forked child: a timer ticks every 50 us during refused ``aacquire()``
+    attempts (``asyncio.run`` per round, as a Celery task running async code
+    does); its handler raises only when it lands in a coroutine of the asyncio
+    driver (``aio.py``). asyncio's own callbacks swallow an exception (and can
+    hang); asyncio code is told to use ``loop.add_signal_handler``. Return the
+    rounds where the raise did not come out of ``aacquire()``."""
+    fired: list[str] = []
+    driver = str(Path(aio.__file__))
+    raise_interrupted = _shot_handler(fired)
+
+    def raise_in_the_driver(signum: int, frame: Any) -> None:
+        if (
+            not fired
+            and frame is not None
+            and frame.f_code.co_filename == driver
+            and frame.f_code.co_flags & inspect.CO_COROUTINE
+        ):
+            raise_interrupted(signum, frame)
+
+    signal.signal(signal.SIGALRM, raise_in_the_driver)
+    gc.freeze()
+    waiter = Redlock(resource, nodes=urls, reentrant=False)
+    assert not asyncio.run(waiter.aacquire(blocking=False))
+    swallowed: list[str] = []
+    for _ in range(_ASYNC_ROUNDS):
+        gc.collect()
+        fired.clear()
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.00005, 0.00005)
+            asyncio.run(_arefused_until(waiter, fired, wait))
+            swallowed.append(fired[0])  # fired, yet aacquire() returned
+        except _Interrupted:
+            pass
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    return swallowed
+
+
+_ASYNC_ROUNDS = 150
+
+
+@pytest.mark.parametrize("wait", [0.0, 0.03], ids=["refused-at-once", "waiting"])
+def test_a_signal_handlers_exception_in_the_async_driver_comes_out_of_aacquire(
+    redlock_settings: dict[str, Any], nodes: NodeSet, wait: float
+) -> None:
+    """The asyncio driver runs each node's call as a task of its own; a signal
+    handler's ordinary ``Exception`` (a Celery soft time limit in a task that runs
+    async code with ``asyncio.run``) landing in one was taken for that node's
+    failure, or ended a task nobody awaited, and the attempt went on. Wherever in
+    the driver's coroutines it lands, it must come out of ``aacquire()``."""
+    resource = "holds:interrupted-async-attempt"
+    with Redlock(resource, nodes=nodes.urls, ttl=60):
+        report = in_forked_child(
+            functools.partial(_interrupted_async_attempts, resource, nodes.urls, wait),
+            50,
+        )
+    _assert_lived(report)
+    swallowed = report.value
+    assert swallowed == [], (
+        f"{len(swallowed)} of {_ASYNC_ROUNDS} interruptions were swallowed; the "
+        f"first landed in:\n{swallowed[0]}"
+    )
+
+
+def _interrupted_partial_attempts(resource: str, urls: list[str]) -> list[str]:
+    """In a forked child: timers at random points of attempts that win two of
+    five nodes (the other three hold another's lock) and so clean those two up;
+    return where each shot landed that left our key on them."""
+    fired: list[str] = []
+    signal.signal(signal.SIGALRM, _shot_handler(fired))
+    gc.freeze()
+    rng = random.Random(14)
+    waiter = Redlock(resource, nodes=urls, reentrant=False, ttl=30)
+    assert not waiter.acquire(blocking=False)
+    clients = [redis.Redis.from_url(url) for url in urls[3:]]
+    left: list[str] = []
+    for _ in range(_PARTIAL_SHOTS):
+        gc.collect()
+        fired.clear()
+        try:
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, 0.002))
+            _refused_until(waiter, fired, 0.0)
+        except _Interrupted:
+            pass
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if any(c.exists(lock_key(resource)) for c in clients):
+            left.append(fired[0])
+            for client in clients:
+                client.delete(lock_key(resource))
+    return left
+
+
+_PARTIAL_SHOTS = 300
+
+
+def test_an_attempt_interrupted_between_its_steps_still_cleans_up_its_nodes(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A failed attempt that won a minority of the nodes deletes its key there
+    before it raises or waits; a signal handler's exception landing anywhere in
+    it (in a step, or between the attempt and its clean-up) must not leave the
+    key on those nodes until its lease ends (another client could not lock them
+    meanwhile)."""
+    resource = "holds:interrupted-partial"
+    with Redlock(resource, nodes=nodes.urls[:3], ttl=60):
+        report = in_forked_child(
+            functools.partial(_interrupted_partial_attempts, resource, nodes.urls), 90
+        )
+    _assert_lived(report)
+    left = report.value
+    assert left == [], (
+        f"{len(left)} of {_PARTIAL_SHOTS} interrupted attempts left their key on "
+        f"a node; the first was interrupted in:\n{left[0]}"
+    )

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import hashlib
 import json
 import os
+import random
+import signal
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,6 +34,7 @@ from redlock_django.listing import (
     node_status,
 )
 from redlock_django.scripts import FORCE_RELEASE_SCRIPT
+from tests._forked import in_forked_child
 
 PASSWORD = "s3cret-pass"
 
@@ -494,3 +500,74 @@ def test_a_force_release_wakes_the_waiter_instead_of_leaving_it_to_its_timer(
         waiter.join(15)
         with contextlib.suppress(LockError):
             holder.release()
+
+
+class _Interrupted(Exception):
+    """What the test's signal handler raises (as Celery's soft time limit does)."""
+
+
+def _interrupted_listings(search: str) -> list[str]:
+    """In a forked child: timers at random points of one-node listings; return
+    where each shot landed that did not come out of ``lock_resources()``."""
+    fired: list[str] = []
+
+    def raise_interrupted(signum: int, frame: Any) -> None:
+        fired.append("".join(traceback.format_stack(frame, limit=4)))
+        raise _Interrupted("interrupted by a signal handler")
+
+    signal.signal(signal.SIGALRM, raise_interrupted)
+    gc.freeze()  # what the process holds now: never collected, never scanned
+    started = time.monotonic()
+    lock_resources(search)
+    took = time.monotonic() - started
+    rng = random.Random(7)
+    swallowed: list[str] = []
+    for _ in range(_LISTING_SHOTS):
+        # Garbage is collected now, not while a shot may land in a finalizer
+        # (where Python drops an exception).
+        gc.collect()
+        fired.clear()
+        try:
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0, took))
+            _listed_until(search, fired)
+            swallowed.append(fired[0])  # fired, yet the listing returned
+        except _Interrupted:
+            pass
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    return swallowed
+
+
+def _listed_until(search: str, fired: list[str]) -> None:
+    """List until a shot fired (a frame of its own: python/cpython#108214)."""
+    while not fired:
+        lock_resources(search)
+
+
+_LISTING_SHOTS = 60
+
+
+def test_a_signal_handlers_exception_while_listing_one_node_comes_out_of_it(
+    nodes: NodeSet, redlock_settings: dict[str, Any], settings: Any
+) -> None:
+    """A listing of one node runs its command on the caller's thread, where a
+    Ctrl-C or a Celery soft time limit raises from a signal handler. Packed by
+    redis-py with hiredis, a number in the command (SCAN's COUNT) went to
+    ``repr()``, which runs pending signal handlers, and hiredis never checked it
+    failed: the process died of a segmentation fault. A long search (its packing
+    takes a while, so the shots land there) makes the window wide; every shot
+    must come out of ``lock_resources()`` as itself, in a child process that
+    lives."""
+    settings.REDLOCK = {**redlock_settings, "NODES": [nodes.urls[0]]}
+    report = in_forked_child(
+        functools.partial(_interrupted_listings, "\u00e9" * 200_000), 60
+    )
+    assert report.outcome != "raised", report.value
+    assert report.exitcode == 0, (
+        f"the child process ended with status {report.exitcode} "
+        f"(-{int(signal.SIGSEGV)}: a segmentation fault)"
+    )
+    assert report.outcome == "done", report.outcome
+    assert report.value == [], (
+        f"{len(report.value)} of {_LISTING_SHOTS} interruptions were swallowed; "
+        f"the first landed in:\n{report.value[0]}"
+    )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import json
 import os
 import signal
@@ -24,6 +26,7 @@ from harness.proxy import FaultProxy
 from redlock_django import LockLostError, Redlock, signals, wake
 from redlock_django.keys import handoff_key, lock_key
 from redlock_django.protocol import QUEUE_LIFE
+from tests._forked import in_forked_child
 from tests._waiting import (
     SLOW_RETRY,
     queued,
@@ -990,3 +993,95 @@ def test_waiters_behind_a_holder_kept_past_queue_life_sleep_instead_of_polling(
     assert results == [True, True]
     got = [a for a in acquisitions if a["lock"] is third][-1]
     assert got["attempts"] <= 20, {k: got[k] for k in ("attempts", "wakeups")}
+
+
+class _Interrupted(Exception):
+    """What the test's signal handler raises (as Celery's soft time limit does)."""
+
+
+def _thread_creation_line() -> int:
+    """The line of ``Thread.start`` that creates the OS thread."""
+    lines, first = inspect.getsourcelines(threading.Thread.start)
+    for offset, line in enumerate(lines):
+        if "_start_new_thread(" in line or "_start_joinable_thread(" in line:
+            return first + offset
+    raise AssertionError("Thread.start creates no thread this test knows of")
+
+
+def _reader_start_interrupted(urls: list[str]) -> tuple[str, int, float]:
+    """In a forked child: a signal handler raises only when it lands in a wake-up
+    reader's ``Thread.start`` before the thread exists; each round is a new set of
+    pools (so a new hub, whose first waiter starts its reader). After the first
+    round so interrupted, a waiter on the same hub (30 s retry delay) waits for a
+    release at most 0.2 s away: return how that went, the round and the wait."""
+    from redlock_django.readers import Reader
+
+    creation = _thread_creation_line()
+    start_code = threading.Thread.start.__code__
+
+    def raise_in_reader_start(signum: int, frame: Any) -> None:
+        if (
+            frame is not None
+            and frame.f_code is start_code
+            and frame.f_lineno < creation
+            and isinstance(frame.f_locals.get("self"), Reader)
+        ):
+            raise _Interrupted("interrupted by a signal handler")
+
+    signal.signal(signal.SIGALRM, raise_in_reader_start)
+    for round_ in range(200):
+        # A pool set (and hub) of its own: NODE_TIMEOUT is part of its key.
+        config: dict[str, Any] = {
+            "nodes": urls,
+            "node_timeout": 1 + round_ / 1000,
+            "reentrant": False,
+        }
+        holder = Redlock("wl:reader-start", **config)
+        assert holder.acquire(blocking=False)
+        waiter = Redlock("wl:reader-start", retry_delay=SLOW_RETRY, **config)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.00002, 0.00002)
+            waiter.acquire(timeout=0.02)
+        except _Interrupted:
+            break
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        holder.release()
+    else:
+        return "never interrupted", round_, 0.0
+    holder.release()
+    held = threading.Event()
+
+    def hold_briefly() -> None:  # a lock is released by the thread holding it
+        with Redlock("wl:reader-start", **config):
+            held.set()
+            time.sleep(0.2)
+
+    releaser = threading.Thread(target=hold_briefly)
+    releaser.start()
+    held.wait(5)
+    next_waiter = Redlock("wl:reader-start", retry_delay=SLOW_RETRY, **config)
+    began = time.monotonic()
+    got = next_waiter.acquire(timeout=5)
+    took = time.monotonic() - began
+    releaser.join()
+    if got:
+        next_waiter.release()
+    return ("acquired" if got else "timed out"), round_, took
+
+
+def test_a_waiter_interrupted_while_starting_the_reader_leaves_wake_ups_working(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A signal handler's exception (Ctrl-C, a Celery soft time limit) landing in
+    the wake-up reader's ``Thread.start`` before the thread exists ends that
+    ``acquire()``, and the hub must not keep the reader that never ran: it did,
+    and every later waiter of that process (a Celery worker's child runs many
+    tasks) slept out its retry delay, woken by no release, for good."""
+    report = in_forked_child(
+        functools.partial(_reader_start_interrupted, nodes.urls[:1]), 90
+    )
+    assert report.outcome == "done", report
+    outcome, rounds, took = report.value
+    assert outcome == "acquired", (outcome, rounds)
+    assert took < 2.0, f"the next waiter was woken after {took:.2f} s (release: 0.2 s)"

@@ -64,6 +64,7 @@ from .. import listing, meta
 from ..exceptions import LockContentionError
 from ..functions import MAX_LABEL_LENGTH, FunctionLock
 from ..functions import POLICIES as FUNCTION_POLICIES
+from ..interrupts import reraise_interruption
 from ..lock import Redlock
 from ..nodes import describe
 
@@ -138,6 +139,7 @@ class RedlockTask(Task):  # type: ignore[misc]
                     lock.resource, label, self.name, task_id, wait=0.0
                 )
             except Exception as exc:  # a look that failed frees nothing: the policy
+                reraise_interruption(exc)  # a soft time limit ends the task
                 logger.warning(
                     "redlock %r: could not look for a dead run of task %s[%s]: %s",
                     lock.resource,
