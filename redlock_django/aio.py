@@ -360,12 +360,14 @@ async def run(
     timeout: float,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     hub: Hub | None = None,
+    ended: list[Any] | None = None,
 ) -> Any:
     """Drive a protocol flow to its end and return its result.
 
     With a ``hub``, a wait that names a lock key ends early when that lock is
     released. A cancellation during a step is thrown into the flow, so its clean-up
-    steps run (shielded) before the cancellation propagates.
+    steps run (shielded) before the cancellation propagates. ``ended``: as in
+    ``sync.run``, the result the moment the flow returns it.
     """
     reply: Any = None
     pending: BaseException | None = None
@@ -375,6 +377,8 @@ async def run(
             try:
                 step: Step = flow.throw(pending) if pending else flow.send(reply)
             except StopIteration as stop:
+                if ended is not None:
+                    ended.append(stop.value)
                 return stop.value
             pending = None
             try:

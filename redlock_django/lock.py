@@ -399,13 +399,17 @@ class Redlock:
         config, flow = started
         pools = nodes.sync_pools(config.nodes, config.node_timeout)
         since = _clock()
-        try:
-            hub = wake.hub(pools) if config.wake_ups else None
-            grant = sync.run(flow, pools, config.node_timeout, hub=hub)
-        except (LockContentionError, QuorumUnavailableError) as exc:
-            return self._not_acquired(exc, since, raise_on_contention)
+        # The grant, the moment the flow returns it: an interruption from then on
+        # (while run() stops watching for wake-ups, or in the bookkeeping below)
+        # releases it, or its keys would stay for the TTL with no one to free them.
+        ended: list[Grant] = []
         announced = False
         try:
+            try:
+                hub = wake.hub(pools) if config.wake_ups else None
+                grant = sync.run(flow, pools, config.node_timeout, hub=hub, ended=ended)
+            except (LockContentionError, QuorumUnavailableError) as exc:
+                return self._not_acquired(exc, since, raise_on_contention)
             hold = self._grant(owner, config, grant, since)
             if hold.watchdog is not None:
                 hold.watchdog.start_thread()
@@ -414,7 +418,9 @@ class Redlock:
             announced = True  # a receiver interrupted midway was told already
             self._announce(config, grant, since)
         except BaseException:
-            hold = self._forget_grant(owner, config, grant)
+            if not ended:
+                raise
+            hold = self._forget_grant(owner, config, ended[0])
             outcome, start = None, _clock()
             try:
                 with contextlib.suppress(Exception):
@@ -570,12 +576,15 @@ class Redlock:
             else None
         )
         since = _clock()
-        try:
-            grant = await aio.run(flow, clients, config.node_timeout, hub=hub)
-        except (LockContentionError, QuorumUnavailableError) as exc:
-            return self._not_acquired(exc, since, raise_on_contention)
+        ended: list[Grant] = []  # as in _acquire()
         announced = False
         try:
+            try:
+                grant = await aio.run(
+                    flow, clients, config.node_timeout, hub=hub, ended=ended
+                )
+            except (LockContentionError, QuorumUnavailableError) as exc:
+                return self._not_acquired(exc, since, raise_on_contention)
             hold = self._grant(owner, config, grant, since)
             if hold.watchdog is not None:
                 hold.watchdog.start_task()
@@ -584,7 +593,9 @@ class Redlock:
             announced = True  # a receiver interrupted midway was told already
             self._announce(config, grant, since)
         except BaseException:
-            hold = self._forget_grant(owner, config, grant)
+            if not ended:
+                raise
+            hold = self._forget_grant(owner, config, ended[0])
             outcome, start = None, _clock()
             try:
                 with contextlib.suppress(Exception):

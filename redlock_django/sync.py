@@ -533,19 +533,25 @@ def run(
     timeout: float,
     sleep: Callable[[float], None] = time.sleep,
     hub: Hub | None = None,
+    ended: list[Any] | None = None,
 ) -> Any:
     """Drive a protocol flow to its end and return its result.
 
     With a ``hub``, a wait that names a lock key ends early when that lock is
     released. An interruption (KeyboardInterrupt) during a step is thrown into the
     flow, so its clean-up steps still run before the interruption propagates.
+    ``ended``, if given, gets the result the moment the flow returns it: an
+    interruption that comes out of ``run`` after that (while it stops watching
+    for wake-ups) leaves the caller the result to undo (a grant's keys).
     """
     pending: BaseException | None = None
     watching: list[SyncWatch] = []
     try:
         while True:
             try:
-                return _steps(flow, pending, pools, timeout, sleep, hub, watching)
+                return _steps(
+                    flow, pending, pools, timeout, sleep, hub, watching, ended
+                )
             except BaseException as exc:
                 if flow.gi_frame is None:
                     raise  # the flow's own outcome, or it ended with the exception
@@ -568,6 +574,7 @@ def _steps(
     sleep: Callable[[float], None],
     hub: Hub | None,
     watching: list[SyncWatch],
+    ended: list[Any] | None,
 ) -> Any:
     """Run ``flow``'s steps (after throwing ``pending`` in, if any) to its end.
 
@@ -580,6 +587,8 @@ def _steps(
         try:
             step: Step = flow.throw(pending) if pending else flow.send(reply)
         except StopIteration as stop:
+            if ended is not None:
+                ended.append(stop.value)
             return stop.value
         pending = None
         if not isinstance(step, Sleep):

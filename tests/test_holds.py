@@ -42,6 +42,7 @@ from redlock_django import (
     Redlock,
     aio,
     signals,
+    sync,
 )
 from redlock_django.scripts import EXTEND_SCRIPT
 from tests._forked import Report, in_forked_child
@@ -949,4 +950,100 @@ def test_an_attempt_interrupted_between_its_steps_still_cleans_up_its_nodes(
     assert left == [], (
         f"{len(left)} of {_PARTIAL_SHOTS} interrupted attempts left their key on "
         f"a node; the first was interrupted in:\n{left[0]}"
+    )
+
+
+def _hold_briefly(holder: Redlock, taken: threading.Event) -> None:
+    """Hold ``holder`` for 4 ms, long enough that the waiter waits for it."""
+    with holder:
+        taken.set()
+        time.sleep(0.004)
+
+
+def _interrupted_woken_grants(resource: str, urls: list[str]) -> Any:
+    """In a forked child: acquisitions that wait out another thread's brief hold,
+    are woken by its release and granted, while a timer ticks every 100 us; its
+    handler raises once, and only after the flow returned the grant (while the
+    blocking driver's ``run`` stops watching for wake-ups). Return how many rounds
+    it landed there, and where each shot landed that left the key on a node or
+    did not come out of ``acquire()``."""
+    fired: list[str] = []
+    raise_interrupted = _shot_handler(fired)
+    driver_run = sync.run.__code__
+
+    walking: list[bool] = []  # a tick landing in this handler returns at once
+
+    def raise_after_the_grant(signum: int, frame: Any) -> None:
+        if fired or walking:
+            return
+        walking.append(True)
+        try:
+            outer = frame
+            while outer is not None:
+                if outer.f_code is driver_run:
+                    if outer.f_locals["flow"].gi_frame is None:  # it returned
+                        raise_interrupted(signum, frame)
+                    return
+                outer = outer.f_back
+        finally:
+            walking.clear()
+
+    signal.signal(signal.SIGALRM, raise_after_the_grant)
+    gc.freeze()
+    waiter = Redlock(resource, nodes=urls, reentrant=False, ttl=30)
+    holder = Redlock(resource, nodes=urls, reentrant=False, ttl=30)
+    clients = [redis.Redis.from_url(url) for url in urls]
+    landed, wrong = 0, []
+    for _ in range(_WOKEN_ROUNDS):
+        gc.collect()
+        fired.clear()
+        taken = threading.Event()
+        thread = threading.Thread(target=_hold_briefly, args=(holder, taken))
+        thread.start()
+        taken.wait(5)
+        interrupted = False
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.0001, 0.0001)
+            acquired = waiter.acquire(timeout=5)
+        except _Interrupted:
+            acquired, interrupted = False, True
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        thread.join()
+        if acquired:
+            waiter.release()
+        if not fired:
+            continue
+        landed += 1
+        left = [c for c in clients if c.exists(lock_key(resource))]
+        if left or not interrupted:
+            wrong.append(
+                f"left on {len(left)} nodes, raised: {interrupted}\n{fired[0]}"
+            )
+            for client in left:
+                client.delete(lock_key(resource))
+    return landed, wrong
+
+
+_WOKEN_ROUNDS = 300
+
+
+def test_an_acquire_interrupted_as_its_wait_ends_releases_the_grant(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A waiter woken and granted stops watching for wake-ups before ``acquire()``
+    takes the grant; a signal handler's exception landing there came out of
+    ``acquire()`` with the grant dropped: its keys stayed on the nodes for the
+    whole TTL (30 s here), no one could take the lock meanwhile. The grant must
+    be released before the exception comes out."""
+    resource = "holds:interrupted-woken-grant"
+    report = in_forked_child(
+        functools.partial(_interrupted_woken_grants, resource, nodes.urls), 90
+    )
+    _assert_lived(report)
+    landed, wrong = report.value
+    assert landed > 0, "no shot landed after a grant: the test tried nothing"
+    assert wrong == [], (
+        f"{len(wrong)} of {landed} acquisitions interrupted after their grant went "
+        f"wrong; the first:\n{wrong[0]}"
     )
