@@ -603,11 +603,22 @@ def flush_scripts(nodes: NodeSet) -> None:
 
 
 def script_cached_everywhere(nodes: NodeSet, *scripts: Any) -> bool:
-    for node in nodes:
-        with node.client() as client:
-            if not all(client.script_exists(*(s.sha for s in scripts))):
-                return False
-    return True
+    """Whether every node has ``scripts`` cached, within 2 s.
+
+    A fan-out returns once a quorum decided it: on a loaded machine the last
+    node may run the source it was sent a moment after the operation returned.
+    """
+    deadline = time.monotonic() + 2.0
+    while True:
+        cached = True
+        for node in nodes:
+            with node.client() as client:
+                if not all(client.script_exists(*(s.sha for s in scripts))):
+                    cached = False
+                    break
+        if cached or time.monotonic() > deadline:
+            return cached
+        time.sleep(0.01)
 
 
 def test_scripts_reload_after_script_flush_on_every_node(
