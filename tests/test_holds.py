@@ -976,98 +976,22 @@ def _hold_briefly(holder: Redlock, taken: threading.Event) -> None:
         time.sleep(0.004)
 
 
-def _interrupted_woken_grants(resource: str, urls: list[str]) -> Any:
-    """In a forked child: acquisitions that wait out another thread's brief hold,
-    are woken by its release and granted, while a timer ticks every 100 us; its
-    handler raises once, and only after the flow returned the grant (while the
-    blocking driver's ``run`` stops watching for wake-ups). Return how many rounds
-    it landed there, and where each shot landed that left the key on a node or
-    did not come out of ``acquire()``."""
+def _woken_grant_rounds(
+    resource: str,
+    urls: list[str],
+    after_the_grant: Callable[[Any], bool],
+    attempt: Callable[[Redlock], None],
+    tick: float,
+) -> tuple[int, list[str]]:
+    """In a forked child: acquisitions that wait out another thread's brief hold
+    (no signal handler runs there), are woken by its release and granted, while a
+    timer ticks every ``tick`` s; its handler raises once, and only where
+    ``after_the_grant(frame)`` says. ``attempt(waiter)`` acquires, stops the
+    timer and releases what it got. Return how many rounds a shot landed in, and
+    where each landed that left the key on a node or did not come out."""
     fired: list[str] = []
     raise_interrupted = _shot_handler(fired)
-    driver_run = sync.run.__code__
-
     walking: list[bool] = []  # a tick landing in this handler returns at once
-
-    def raise_after_the_grant(signum: int, frame: Any) -> None:
-        if fired or walking:
-            return
-        walking.append(True)
-        try:
-            outer = frame
-            while outer is not None:
-                if outer.f_code is driver_run:
-                    if outer.f_locals["flow"].gi_frame is None:  # it returned
-                        raise_interrupted(signum, frame)
-                    return
-                outer = outer.f_back
-        finally:
-            walking.clear()
-
-    signal.signal(signal.SIGALRM, raise_after_the_grant)
-    gc.freeze()
-    # NODE_TIMEOUT 2 s: a node that answers late on a loaded machine is not
-    # failed (a release that skipped it leaves its key for the TTL).
-    waiter = Redlock(resource, nodes=urls, reentrant=False, ttl=30, node_timeout=2)
-    holder = Redlock(resource, nodes=urls, reentrant=False, ttl=30, node_timeout=2)
-    clients = [redis.Redis.from_url(url) for url in urls]
-    landed, wrong = 0, []
-    for _ in range(_WOKEN_ROUNDS):
-        gc.collect()
-        fired.clear()
-        taken = threading.Event()
-        thread = threading.Thread(target=_hold_briefly, args=(holder, taken))
-        thread.start()
-        taken.wait(5)
-        interrupted = False
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0.0001, 0.0001)
-            acquired = waiter.acquire(timeout=5)
-        except _Interrupted:
-            acquired, interrupted = False, True
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        thread.join()
-        if acquired:
-            waiter.release()
-        if not fired:
-            continue
-        landed += 1
-        left = _left_on(clients, resource)
-        if left or not interrupted:
-            wrong.append(
-                f"left on {len(left)} nodes, raised: {interrupted}\n{fired[0]}"
-            )
-            for client in left:
-                client.delete(lock_key(resource))
-    return landed, wrong
-
-
-_WOKEN_ROUNDS = 300
-
-
-def _interrupted_woken_async_grants(resource: str, urls: list[str]) -> Any:
-    """``_interrupted_woken_grants`` for ``aacquire()`` (``asyncio.run`` per round;
-    the brief hold is another thread's, where no signal handler runs): the handler
-    raises once, and only after the flow returned the grant, while the asyncio
-    driver's ``run`` still ends (it stops watching for wake-ups)."""
-    fired: list[str] = []
-    raise_interrupted = _shot_handler(fired)
-    driver_run = aio.run.__code__
-    aacquire = Redlock._aacquire.__code__
-    walking: list[bool] = []
-
-    def after_the_grant(frame: Any) -> bool:
-        """In the driver's ``run`` once its flow returned, or in ``_aacquire``
-        from the grant it returned to the hold made of it."""
-        while frame is not None:
-            if frame.f_code is driver_run:
-                return bool(frame.f_locals["flow"].gi_frame is None)
-            if frame.f_code is aacquire:
-                seen = frame.f_locals
-                return "grant" in seen and "hold" not in seen
-            frame = frame.f_back
-        return False
 
     def raise_after_the_grant(signum: int, frame: Any) -> None:
         if fired or walking:
@@ -1086,13 +1010,6 @@ def _interrupted_woken_async_grants(resource: str, urls: list[str]) -> Any:
     waiter = Redlock(resource, nodes=urls, reentrant=False, ttl=30, node_timeout=2)
     holder = Redlock(resource, nodes=urls, reentrant=False, ttl=30, node_timeout=2)
     clients = [redis.Redis.from_url(url) for url in urls]
-
-    async def acquire_and_release() -> bool:
-        acquired = await waiter.aacquire(timeout=5)
-        if acquired:
-            await waiter.arelease()
-        return acquired
-
     landed, wrong = 0, []
     for _ in range(_WOKEN_ROUNDS):
         gc.collect()
@@ -1103,8 +1020,8 @@ def _interrupted_woken_async_grants(resource: str, urls: list[str]) -> Any:
         taken.wait(5)
         interrupted = False
         try:
-            signal.setitimer(signal.ITIMER_REAL, 0.00005, 0.00005)
-            asyncio.run(acquire_and_release())
+            signal.setitimer(signal.ITIMER_REAL, tick, tick)
+            attempt(waiter)
         except _Interrupted:
             interrupted = True
         finally:
@@ -1121,6 +1038,61 @@ def _interrupted_woken_async_grants(resource: str, urls: list[str]) -> Any:
             for client in left:
                 client.delete(lock_key(resource))
     return landed, wrong
+
+
+_WOKEN_ROUNDS = 300
+
+
+def _interrupted_woken_grants(resource: str, urls: list[str]) -> Any:
+    """``_woken_grant_rounds`` for ``acquire()``, a tick every 100 us: the
+    handler raises once the flow returned the grant, while the blocking driver's
+    ``run`` stops watching for wake-ups."""
+    driver_run = sync.run.__code__
+
+    def after_the_grant(frame: Any) -> bool:
+        while frame is not None:
+            if frame.f_code is driver_run:
+                return bool(frame.f_locals["flow"].gi_frame is None)  # it returned
+            frame = frame.f_back
+        return False
+
+    def attempt(waiter: Redlock) -> None:
+        acquired = waiter.acquire(timeout=5)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if acquired:
+            waiter.release()
+
+    return _woken_grant_rounds(resource, urls, after_the_grant, attempt, 0.0001)
+
+
+def _interrupted_woken_async_grants(resource: str, urls: list[str]) -> Any:
+    """``_woken_grant_rounds`` for ``aacquire()`` (``asyncio.run`` per round), a
+    tick every 50 us: the handler raises once the flow returned the grant, while
+    the asyncio driver's ``run`` ends (it stops watching for wake-ups) or before
+    ``_aacquire`` made the hold of it."""
+    driver_run = aio.run.__code__
+    aacquire = Redlock._aacquire.__code__
+
+    def after_the_grant(frame: Any) -> bool:
+        while frame is not None:
+            if frame.f_code is driver_run:
+                return bool(frame.f_locals["flow"].gi_frame is None)
+            if frame.f_code is aacquire:
+                seen = frame.f_locals
+                return "grant" in seen and "hold" not in seen
+            frame = frame.f_back
+        return False
+
+    async def acquire_and_release(waiter: Redlock) -> None:
+        acquired = await waiter.aacquire(timeout=5)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if acquired:
+            await waiter.arelease()
+
+    def attempt(waiter: Redlock) -> None:
+        asyncio.run(acquire_and_release(waiter))
+
+    return _woken_grant_rounds(resource, urls, after_the_grant, attempt, 0.00005)
 
 
 def test_an_aacquire_interrupted_as_its_wait_ends_releases_the_grant(
