@@ -1095,6 +1095,20 @@ def _interrupted_woken_async_grants(resource: str, urls: list[str]) -> Any:
     return _woken_grant_rounds(resource, urls, after_the_grant, attempt, 0.00005)
 
 
+def _assert_grants_released(
+    rounds: Callable[[str, list[str]], Any], resource: str, nodes: NodeSet
+) -> None:
+    """Run ``rounds`` in a forked child: some shot landed, none went wrong."""
+    report = in_forked_child(functools.partial(rounds, resource, nodes.urls), 90)
+    _assert_lived(report)
+    landed, wrong = report.value
+    assert landed > 0, "no shot landed after a grant: the test tried nothing"
+    assert wrong == [], (
+        f"{len(wrong)} of {landed} acquisitions interrupted after their grant went "
+        f"wrong; the first:\n{wrong[0]}"
+    )
+
+
 def test_an_aacquire_interrupted_as_its_wait_ends_releases_the_grant(
     redlock_settings: dict[str, Any], nodes: NodeSet
 ) -> None:
@@ -1103,16 +1117,7 @@ def test_an_aacquire_interrupted_as_its_wait_ends_releases_the_grant(
     driver's flow returned the grant, before ``aacquire()`` took it, must not
     drop the grant with its keys on the nodes for the TTL."""
     resource = "holds:interrupted-woken-async-grant"
-    report = in_forked_child(
-        functools.partial(_interrupted_woken_async_grants, resource, nodes.urls), 90
-    )
-    _assert_lived(report)
-    landed, wrong = report.value
-    assert landed > 0, "no shot landed after a grant: the test tried nothing"
-    assert wrong == [], (
-        f"{len(wrong)} of {landed} acquisitions interrupted after their grant went "
-        f"wrong; the first:\n{wrong[0]}"
-    )
+    _assert_grants_released(_interrupted_woken_async_grants, resource, nodes)
 
 
 def test_an_acquire_interrupted_as_its_wait_ends_releases_the_grant(
@@ -1124,13 +1129,4 @@ def test_an_acquire_interrupted_as_its_wait_ends_releases_the_grant(
     whole TTL (30 s here), no one could take the lock meanwhile. The grant must
     be released before the exception comes out."""
     resource = "holds:interrupted-woken-grant"
-    report = in_forked_child(
-        functools.partial(_interrupted_woken_grants, resource, nodes.urls), 90
-    )
-    _assert_lived(report)
-    landed, wrong = report.value
-    assert landed > 0, "no shot landed after a grant: the test tried nothing"
-    assert wrong == [], (
-        f"{len(wrong)} of {landed} acquisitions interrupted after their grant went "
-        f"wrong; the first:\n{wrong[0]}"
-    )
+    _assert_grants_released(_interrupted_woken_grants, resource, nodes)
