@@ -399,4 +399,8 @@ async def run(
                 pending = exc
     finally:
         if watch is not None and hub is not None:
-            hub.unwatch(watch)
+            try:
+                hub.unwatch(watch)
+            except BaseException:
+                hub.unwatch(watch)  # interrupted (a signal handler): again
+                raise

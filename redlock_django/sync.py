@@ -563,7 +563,11 @@ def run(
                 pending = interruption(exc) or exc
     finally:
         if watching and hub is not None:
-            hub.unwatch(watching[0])
+            try:
+                hub.unwatch(watching[0])
+            except BaseException:
+                hub.unwatch(watching[0])  # interrupted (a signal handler): again
+                raise
 
 
 def _steps(

@@ -189,47 +189,51 @@ class Hub:
 
         A release for it heard after monotonic time ``since`` wakes it at once:
         the waiter's last attempt could not see it, and it was not yet listening.
+        An exception raised in here (a signal handler's) leaves the watch for the
+        caller's ``unwatch`` and no reader slot taken by a thread never started.
         """
-        global _watching
         channel = watch.channel
         missed = False
-        with self._lock:
-            with _watching_lock:
-                _watching += 1
-            self._watches.setdefault(channel, set()).add(watch)
-            self._idle.pop(channel, None)
-            last = self._last.get(channel)
-            if since is not None and last is not None and last[0] > since:
-                missed = last[1] == b""
-            if since is not None and watch.waiter is not None:
-                missed = missed or self._called.get(watch.waiter, since) > since
-            if self._closed:
-                if missed:
-                    watch.fire()
-                return watch
-            reader = self._reader
-            start = reader is None
-            if reader is None:
-                reader = self._reader = Reader(self)
-            if any(channel in link.subscribed for link in reader.links):
-                watch.fresh = False
-        if start:
-            try:
+        new = False
+        reader: Reader | None = None
+        try:
+            with self._lock:
+                self._watches.setdefault(channel, set()).add(watch)
+                self._idle.pop(channel, None)
+                last = self._last.get(channel)
+                if since is not None and last is not None and last[0] > since:
+                    missed = last[1] == b""
+                if since is not None and watch.waiter is not None:
+                    missed = missed or self._called.get(watch.waiter, since) > since
+                if self._closed:
+                    if missed:
+                        watch.fire()
+                    return watch
+                reader = self._reader
+                if reader is None:
+                    new = True
+                    reader = self._reader = Reader(self)
+                if any(channel in link.subscribed for link in reader.links):
+                    watch.fresh = False
+            if new:
                 reader.start()
-            except BaseException as exc:
-                # No thread now (a pids limit, a burst of threads), or a signal
-                # handler's exception (Ctrl-C, a soft time limit) ended start():
-                # the slot is freed, so the next waiter starts a reader. A thread
-                # that did start is then not the hub's, and ends (``keep``).
-                with self._lock:
-                    if self._reader is reader:
-                        self._reader = None
-                if not isinstance(exc, RuntimeError):
-                    raise
-                reraise_interruption(exc)
-                # Wake-ups are a hint: this waiter sleeps out its retry.
-                logger.info("redlock wake-ups off for now: %s", exc)
-        else:
+        except BaseException as exc:
+            if not new:
+                raise
+            # No thread now (a pids limit, a burst of threads), or a signal
+            # handler's exception (Ctrl-C, a soft time limit) ended start() or
+            # came before it: the slot is freed, so the next waiter starts a
+            # reader. A thread that did start is then not the hub's, and ends
+            # (``keep``).
+            with self._lock:
+                if self._reader is reader:
+                    self._reader = None
+            if not isinstance(exc, RuntimeError):
+                raise
+            reraise_interruption(exc)
+            # Wake-ups are a hint: this waiter sleeps out its retry.
+            logger.info("redlock wake-ups off for now: %s", exc)
+        if not new and reader is not None:
             for link in reader.links:
                 link.ask([channel])
         if missed:
@@ -248,18 +252,24 @@ class Hub:
                 self._reader = None
 
     def unwatch(self, watch: _Watch) -> None:
-        """Stop waking ``watch``; its channel lingers subscribed for a while."""
-        global _watching
+        """Stop waking ``watch``; its channel lingers subscribed for a while.
+
+        A second call does nothing: a caller interrupted in here (a signal
+        handler's exception) calls it again, or the watch would stay a waiter
+        this process counts for good.
+        """
+        channel = watch.channel
         with self._lock:
-            watches = self._watches.get(watch.channel)
+            watches = self._watches.get(channel)
             if watches is None or watch not in watches:
+                if watches is not None and not watches:
+                    del self._watches[channel]  # a watch() interrupted before add
                 return
-            with _watching_lock:
-                _watching -= 1
-            watches.discard(watch)
-            if not watches:
-                del self._watches[watch.channel]
-                self._idle[watch.channel] = time.monotonic()
+            if len(watches) > 1:
+                watches.discard(watch)
+                return
+            del self._watches[channel]  # the watch and its channel in one step
+            self._idle[channel] = time.monotonic()
 
     def waiting(self, channel: bytes) -> int:
         """How many waiters of this process watch ``channel``."""
@@ -421,15 +431,19 @@ class Hub:
         return left
 
 
-#: Waiters of this process, on every hub: releases skip their hand-off checks
-#: when it is 0 and nobody elsewhere heard them (``note_handoff``).
-_watching = 0
-_watching_lock = threading.Lock()
-
-
 def watching() -> int:
-    """How many waiters of this process are watching a channel right now."""
-    return _watching
+    """How many waiters of this process are watching a channel right now.
+
+    Counted from the hubs' watches, not kept as a tally: a signal handler's
+    exception between a tally and a watch could set them apart for good.
+    Releases skip their hand-off checks when it is 0 and nobody elsewhere heard
+    them (``note_handoff``).
+    """
+    return sum(
+        len(watches)
+        for found in list(_hubs.values())
+        for watches in list(found._watches.values())
+    )
 
 
 _hubs: dict[tuple[int, int], Hub] = {}
@@ -483,7 +497,7 @@ def note_handoff(
     per node), less this process's own subscriptions, and from this process's own
     waiting threads/tasks.
     """
-    if not watching() and not any(listeners):
+    if not any(listeners) and not watching():
         return  # nobody here or elsewhere was waiting: the common case, no lookups
     channel = spec.key.encode()
     found = hub(sync_pools(node_specs, node_timeout))
@@ -528,14 +542,12 @@ def _forget_parent_hubs() -> None:
     The parent's reader threads do not exist in the child, a parent thread may
     have held these locks at the fork, and its waiters are not the child's.
     """
-    global _hubs, _hubs_lock, _watching, _watching_lock, _tag
+    global _hubs, _hubs_lock, _tag
     # Kept, never collected: collecting them could close sockets the parent
     # still uses (see nodes._inherited).
     _inherited.append(_hubs)
     _hubs = {}
     _hubs_lock = threading.Lock()
-    _watching = 0
-    _watching_lock = threading.Lock()
     _handoffs.clear()
     _tag = secrets.token_hex(4)
 

@@ -43,6 +43,7 @@ from redlock_django import (
     aio,
     signals,
     sync,
+    wake,
 )
 from redlock_django.scripts import EXTEND_SCRIPT
 from tests._forked import Report, in_forked_child
@@ -982,13 +983,19 @@ def _woken_grant_rounds(
     after_the_grant: Callable[[Any], bool],
     attempt: Callable[[Redlock], None],
     tick: float,
+    check: Callable[[str], str] = lambda channel: "",
+    hubs: int = 0,
 ) -> tuple[int, list[str]]:
     """In a forked child: acquisitions that wait out another thread's brief hold
     (no signal handler runs there), are woken by its release and granted, while a
     timer ticks every ``tick`` s; its handler raises once, and only where
     ``after_the_grant(frame)`` says. ``attempt(waiter)`` acquires, stops the
-    timer and releases what it got. Return how many rounds a shot landed in, and
-    where each landed that left the key on a node or did not come out."""
+    timer and releases what it got. With ``hubs``, the waiter of round n has
+    NODE_TIMEOUT 2 + (n % hubs + 1) ms: pools, a wake-up hub and a reader of its
+    own, the reader ended (``wake.LINGER``) by the time its hub is used again.
+    Return how many rounds a shot landed in, and where each landed that left the
+    key on a node, did not come out, or left what ``check(wake-up channel)``
+    complains of."""
     fired: list[str] = []
     raise_interrupted = _shot_handler(fired)
     walking: list[bool] = []  # a tick landing in this handler returns at once
@@ -1011,7 +1018,12 @@ def _woken_grant_rounds(
     holder = Redlock(resource, nodes=urls, reentrant=False, ttl=30, node_timeout=2)
     clients = [redis.Redis.from_url(url) for url in urls]
     landed, wrong = 0, []
-    for _ in range(_WOKEN_ROUNDS):
+    for n in range(_WOKEN_ROUNDS):
+        if hubs:
+            timeout = 2 + (n % hubs + 1) / 1000
+            waiter = Redlock(
+                resource, nodes=urls, reentrant=False, ttl=30, node_timeout=timeout
+            )
         gc.collect()
         fired.clear()
         taken = threading.Event()
@@ -1031,9 +1043,11 @@ def _woken_grant_rounds(
             continue
         landed += 1
         left = _left_on(clients, resource)
-        if left or not interrupted:
+        complaint = check(lock_key(resource))
+        if left or not interrupted or complaint:
             wrong.append(
-                f"left on {len(left)} nodes, raised: {interrupted}\n{fired[0]}"
+                f"left on {len(left)} nodes, raised: {interrupted} {complaint}\n"
+                f"{fired[0]}"
             )
             for client in left:
                 client.delete(lock_key(resource))
@@ -1102,10 +1116,10 @@ def _assert_grants_released(
     report = in_forked_child(functools.partial(rounds, resource, nodes.urls), 90)
     _assert_lived(report)
     landed, wrong = report.value
-    assert landed > 0, "no shot landed after a grant: the test tried nothing"
+    assert landed > 0, "no shot landed where it was aimed: the test tried nothing"
     assert wrong == [], (
-        f"{len(wrong)} of {landed} acquisitions interrupted after their grant went "
-        f"wrong; the first:\n{wrong[0]}"
+        f"{len(wrong)} of {landed} acquisitions interrupted there went wrong; the "
+        f"first:\n{wrong[0]}"
     )
 
 
@@ -1130,3 +1144,132 @@ def test_an_acquire_interrupted_as_its_wait_ends_releases_the_grant(
     be released before the exception comes out."""
     resource = "holds:interrupted-woken-grant"
     _assert_grants_released(_interrupted_woken_grants, resource, nodes)
+
+
+def _watchers_left(channel: str) -> str:
+    """What this process's hubs still count or keep as waiters once none waits,
+    and whether one holds its reader's slot for a thread that never started."""
+    hubs = list(wake._hubs.values())
+    kept = sum(hub.waiting(channel.encode()) for hub in hubs)
+    counted = wake.watching()
+    unstarted = sum(
+        hub._reader is not None and hub._reader.ident is None for hub in hubs
+    )
+    if counted or kept or unstarted:
+        return f"watchers counted {counted}, kept {kept}; readers unstarted {unstarted}"
+    return ""
+
+
+def _in_watch_or_unwatch(frame: Any) -> bool:
+    """Whether ``frame`` runs in (or under) the hub's ``watch`` or ``unwatch``."""
+    codes = (wake.Hub.watch.__code__, wake.Hub.unwatch.__code__)
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _interrupted_watch_changes(resource: str, urls: list[str]) -> Any:
+    """``_woken_grant_rounds`` for ``acquire()``, a tick every 20 us: the handler
+    raises once the waiter starts or stops watching for wake-ups, inside the hub."""
+
+    def attempt(waiter: Redlock) -> None:
+        acquired = waiter.acquire(timeout=5)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if acquired:
+            waiter.release()
+
+    return _woken_grant_rounds(
+        resource, urls, _in_watch_or_unwatch, attempt, 0.00002, _watchers_left
+    )
+
+
+def _interrupted_async_watch_changes(resource: str, urls: list[str]) -> Any:
+    """``_interrupted_watch_changes`` for ``aacquire()``, every round on one event
+    loop (``asyncio.run`` per round spends most of it making the loop's clients,
+    and the ticks then rarely land in the hub)."""
+
+    async def acquire_and_release(waiter: Redlock) -> None:
+        acquired = await waiter.aacquire(timeout=5)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if acquired:
+            await waiter.arelease()
+
+    with asyncio.Runner() as runner:
+
+        def attempt(waiter: Redlock) -> None:
+            runner.run(acquire_and_release(waiter))
+
+        return _woken_grant_rounds(
+            resource, urls, _in_watch_or_unwatch, attempt, 0.00002, _watchers_left
+        )
+
+
+def _before_its_reader_starts(frame: Any) -> bool:
+    """Whether ``frame`` runs in ``Hub.watch`` (or a generator of it) after the
+    hub took its reader's slot, before ``Thread.start()`` was called."""
+    code = wake.Hub.watch.__code__
+    while frame is not None:
+        if frame.f_code is code:
+            reader = frame.f_locals.get("reader")
+            return isinstance(reader, threading.Thread) and reader.ident is None
+        if frame.f_code.co_filename == threading.__file__:
+            return False  # in Thread.start(): its interruption was handled before
+        frame = frame.f_back
+    return False
+
+
+def _interrupted_reader_starts(resource: str, urls: list[str]) -> Any:
+    """``_woken_grant_rounds`` for ``acquire()`` with a new wake-up reader nearly
+    every round, a tick every 20 us: the handler raises once the waiter's hub has
+    taken the reader's slot, before it starts the reader's thread."""
+
+    def attempt(waiter: Redlock) -> None:
+        acquired = waiter.acquire(timeout=5)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if acquired:
+            waiter.release()
+
+    return _woken_grant_rounds(
+        resource,
+        urls,
+        _before_its_reader_starts,
+        attempt,
+        0.00002,
+        _watchers_left,
+        hubs=100,
+    )
+
+
+def test_an_acquire_interrupted_as_its_hub_starts_a_reader_frees_the_slot(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A process's first waiter on a set of nodes starts the wake-up reader; a
+    signal handler's exception landing after its hub took the reader's slot,
+    before the thread was started, left the slot to a thread that never runs: no
+    release woke a waiter of that process on those nodes again."""
+    resource = "holds:interrupted-reader-start"
+    _assert_grants_released(_interrupted_reader_starts, resource, nodes)
+
+
+def test_an_acquire_interrupted_as_it_starts_or_stops_watching_leaves_no_watcher(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A signal handler's exception landing while a waiter registers with, or
+    leaves, its process's wake-up hub must not leave it counted or registered
+    there: a watch left registered kept its channel subscribed for good, and made
+    every later release of the lock in this process defer the process's next
+    acquire for a waiter that was not there; a count left off made every release
+    do the lookups that a count of 0 spares it."""
+    resource = "holds:interrupted-watch"
+    _assert_grants_released(_interrupted_watch_changes, resource, nodes)
+
+
+def test_an_aacquire_interrupted_as_it_starts_or_stops_watching_leaves_no_watcher(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """``test_an_acquire_interrupted_as_it_starts_or_stops_watching_leaves_no_watcher``
+    for ``aacquire()``."""
+    resource = "holds:interrupted-async-watch"
+    _assert_grants_released(_interrupted_async_watch_changes, resource, nodes)
