@@ -181,6 +181,16 @@ class Reader(threading.Thread):
         #: The descriptors registered with the poller, and their links.
         self._polled: dict[int, Link] = {}
 
+    def discard(self) -> None:
+        """Close what a reader whose thread could not start opened (its pipe)."""
+        with self._notify_lock:
+            if self._alive:
+                self._alive = False
+                os.close(self._notify_r)
+                os.close(self._notify_w)
+        for link in self.links:
+            link.close()
+
     def run(self) -> None:
         # Whether to go on, and which channels to drop, is looked at once per
         # POLL, not per message: under contention messages come thousands of

@@ -231,6 +231,10 @@ class Hub:
             if not isinstance(exc, RuntimeError):
                 raise
             reraise_interruption(exc)
+            # No thread was made: its pipe is closed now, or a lasting thread limit
+            # would use up the process's descriptors, a waiter at a time.
+            if reader is not None and reader.ident is None:
+                reader.discard()
             # Wake-ups are a hint: this waiter sleeps out its retry.
             logger.info("redlock wake-ups off for now: %s", exc)
         if not new and reader is not None:

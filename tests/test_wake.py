@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -548,6 +549,41 @@ def test_a_reader_that_failed_to_start_once_does_not_end_wake_ups_for_good(
         f"attempts, {got['wakeups']} wake-ups; subscriber connections while it "
         f"waited: {subscribers}"
     )
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_wake_up_readers_that_cannot_start_leave_no_descriptors_open(
+    redlock_settings: dict[str, Any], make_nodes: Callable[..., NodeSet]
+) -> None:
+    """At a thread limit that lasts (a container's pids limit), every contended
+    acquire finds no reader and tries to start one: each failed try must give
+    back what the reader opened (its wake-up pipe), or a busy process runs out of
+    file descriptors."""
+    urls = make_nodes(3).urls  # a node set of its own: a hub with no reader yet
+    holder = Redlock("wake:no-thread-fds", nodes=urls)
+    assert holder.acquire(blocking=False)
+    try:
+        waiter = Redlock(
+            "wake:no-thread-fds", nodes=urls, retry_delay=0.01, reentrant=False
+        )
+        assert not waiter.acquire(blocking=False)  # its connections are open
+        with _threads_cannot_start():
+            before = _open_descriptors()
+            for _ in range(TRIES):
+                assert not waiter.acquire(timeout=0.03)
+            after = _open_descriptors()
+    finally:
+        holder.release()
+    assert after - before < TRIES // 2, (
+        f"{after - before} more descriptors open after {TRIES} acquires that "
+        "could not start a wake-up reader"
+    )
+
+
+TRIES = 20
 
 
 # KEYS: channels; ARGV[1] a round number; publishes BURST releases on each channel.
