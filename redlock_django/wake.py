@@ -479,6 +479,12 @@ def reset() -> None:
         found.close()
 
 
+def _watched() -> bool:
+    """Whether a waiter of this process watches a channel (``watching()`` > 0),
+    at the cost of a look per hub: every release asks."""
+    return any(found._watches for found in list(_hubs.values()))
+
+
 # lock identity -> monotonic time until which this process lets waiters take the
 # lock it just released before trying again itself (see ``note_handoff``).
 _handoffs: dict[tuple[Any, ...], float] = {}
@@ -501,7 +507,7 @@ def note_handoff(
     per node), less this process's own subscriptions, and from this process's own
     waiting threads/tasks.
     """
-    if not any(listeners) and not watching():
+    if not any(listeners) and not _watched():
         return  # nobody here or elsewhere was waiting: the common case, no lookups
     channel = spec.key.encode()
     found = hub(sync_pools(node_specs, node_timeout))
