@@ -1057,6 +1057,14 @@ def _woken_grant_rounds(
 _WOKEN_ROUNDS = 300
 
 
+def _acquire_then_release(waiter: Redlock) -> None:
+    """A round's attempt: acquire, stop the timer, release what was got."""
+    acquired = waiter.acquire(timeout=5)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    if acquired:
+        waiter.release()
+
+
 def _interrupted_woken_grants(resource: str, urls: list[str]) -> Any:
     """``_woken_grant_rounds`` for ``acquire()``, a tick every 100 us: the
     handler raises once the flow returned the grant, while the blocking driver's
@@ -1070,13 +1078,9 @@ def _interrupted_woken_grants(resource: str, urls: list[str]) -> Any:
             frame = frame.f_back
         return False
 
-    def attempt(waiter: Redlock) -> None:
-        acquired = waiter.acquire(timeout=5)
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        if acquired:
-            waiter.release()
-
-    return _woken_grant_rounds(resource, urls, after_the_grant, attempt, 0.0001)
+    return _woken_grant_rounds(
+        resource, urls, after_the_grant, _acquire_then_release, 0.0001
+    )
 
 
 def _interrupted_woken_async_grants(resource: str, urls: list[str]) -> Any:
@@ -1174,14 +1178,13 @@ def _interrupted_watch_changes(resource: str, urls: list[str]) -> Any:
     """``_woken_grant_rounds`` for ``acquire()``, a tick every 20 us: the handler
     raises once the waiter starts or stops watching for wake-ups, inside the hub."""
 
-    def attempt(waiter: Redlock) -> None:
-        acquired = waiter.acquire(timeout=5)
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        if acquired:
-            waiter.release()
-
     return _woken_grant_rounds(
-        resource, urls, _in_watch_or_unwatch, attempt, 0.00002, _watchers_left
+        resource,
+        urls,
+        _in_watch_or_unwatch,
+        _acquire_then_release,
+        0.00002,
+        _watchers_left,
     )
 
 
@@ -1225,17 +1228,11 @@ def _interrupted_reader_starts(resource: str, urls: list[str]) -> Any:
     every round, a tick every 20 us: the handler raises once the waiter's hub has
     taken the reader's slot, before it starts the reader's thread."""
 
-    def attempt(waiter: Redlock) -> None:
-        acquired = waiter.acquire(timeout=5)
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        if acquired:
-            waiter.release()
-
     return _woken_grant_rounds(
         resource,
         urls,
         _before_its_reader_starts,
-        attempt,
+        _acquire_then_release,
         0.00002,
         _watchers_left,
         hubs=100,

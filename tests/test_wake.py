@@ -478,28 +478,37 @@ def _threads_cannot_start() -> Iterator[None]:
         threading.stack_size(0)
 
 
+@contextlib.contextmanager
+def _a_waiter_behind_a_holder(
+    name: str, make_nodes: Callable[..., NodeSet], retry_delay: float
+) -> Iterator[Redlock]:
+    """A lock ``name`` held on a node set of its own (a hub with no reader yet),
+    and a waiter for it that retries every ``retry_delay`` s."""
+    urls = make_nodes(3).urls
+    holder = Redlock(name, nodes=urls)
+    assert holder.acquire(blocking=False)
+    try:
+        yield Redlock(name, nodes=urls, retry_delay=retry_delay, reentrant=False)
+    finally:
+        holder.release()
+
+
 def test_an_acquire_whose_wake_up_reader_cannot_start_still_waits_on_its_timer(
     redlock_settings: dict[str, Any], make_nodes: Callable[..., NodeSet]
 ) -> None:
     """Wake-ups are a hint: when the reader thread cannot start (the process is
     at its thread limit for a moment), a contended acquire still waits on its
     retry timer and answers False, instead of failing with the thread error."""
-    urls = make_nodes(3).urls  # a node set of its own: a hub with no reader yet
-    holder = Redlock("wake:no-thread", nodes=urls)
-    assert holder.acquire(blocking=False)
-    try:
-        waiter = Redlock(
-            "wake:no-thread", nodes=urls, retry_delay=0.05, reentrant=False
-        )
-        with _threads_cannot_start():
-            outcome: Any
-            try:
-                outcome = waiter.acquire(timeout=0.3)
-            except Exception as exc:  # reported below
-                outcome = exc
-        assert outcome is False, f"acquire() raised {outcome!r}"
-    finally:
-        holder.release()
+    outcome: Any
+    with (
+        _a_waiter_behind_a_holder("wake:no-thread", make_nodes, 0.05) as waiter,
+        _threads_cannot_start(),
+    ):
+        try:
+            outcome = waiter.acquire(timeout=0.3)
+        except Exception as exc:  # reported below
+            outcome = exc
+    assert outcome is False, f"acquire() raised {outcome!r}"
 
 
 def test_a_reader_that_failed_to_start_once_does_not_end_wake_ups_for_good(
@@ -562,21 +571,13 @@ def test_wake_up_readers_that_cannot_start_leave_no_descriptors_open(
     acquire finds no reader and tries to start one: each failed try must give
     back what the reader opened (its wake-up pipe), or a busy process runs out of
     file descriptors."""
-    urls = make_nodes(3).urls  # a node set of its own: a hub with no reader yet
-    holder = Redlock("wake:no-thread-fds", nodes=urls)
-    assert holder.acquire(blocking=False)
-    try:
-        waiter = Redlock(
-            "wake:no-thread-fds", nodes=urls, retry_delay=0.01, reentrant=False
-        )
+    with _a_waiter_behind_a_holder("wake:no-thread-fds", make_nodes, 0.01) as waiter:
         assert not waiter.acquire(blocking=False)  # its connections are open
         with _threads_cannot_start():
             before = _open_descriptors()
             for _ in range(TRIES):
                 assert not waiter.acquire(timeout=0.03)
             after = _open_descriptors()
-    finally:
-        holder.release()
     assert after - before < TRIES // 2, (
         f"{after - before} more descriptors open after {TRIES} acquires that "
         "could not start a wake-up reader"
