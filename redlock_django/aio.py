@@ -28,7 +28,8 @@ still connecting, nor a resend (after NOSCRIPT, or on a new connection), which
 would run after whatever the caller did next (a release, a clean-up) and leave a
 key nobody owns. A call given up drops its connection with a reset
 (``sockets``): a command written into a partition never runs after the
-partition heals.
+partition heals; a clean-up's is closed in order, so that the clean-up still
+runs when a frozen node resumes (``sync._drop``).
 Clean-up steps (``Fanout.critical``) are shielded: cancelling the caller does not
 leave a partial lock behind, the cancellation propagates once they end.
 """
@@ -90,12 +91,19 @@ _UNSURE = "connection broke after the command was sent; no answer to trust"
 
 
 async def _roundtrip(
-    conn: Any, command: tuple[Any, ...], k: int, marks: list[float], over: list[bool]
+    conn: Any,
+    command: tuple[Any, ...],
+    k: int,
+    marks: list[float],
+    over: list[bool],
+    late_ok: bool,
 ) -> Any:
     """Write ``command`` and read its reply, with no timer: the fan-out bounds it.
 
     Nothing is written once the fan-out is ``over``: the check and the write run in
-    one step of the loop, so no later step of the caller comes between them.
+    one step of the loop, so no later step of the caller comes between them. Given
+    up, the connection is reset, unless the command may still run late (``late_ok``:
+    a clean-up, as ``sync._drop`` says).
     """
     if over[0]:
         raise _Ended("not sent: the fan-out had returned")
@@ -112,8 +120,9 @@ async def _roundtrip(
     except asyncio.CancelledError:
         # Given up: redis-py closes the connection, and what the kernel still
         # holds of the command (a partition) must not reach the node later.
-        reset_on_close(sock)
-        writer.transport.abort()
+        if not late_ok:
+            reset_on_close(sock)
+            writer.transport.abort()
         raise
 
 
@@ -168,13 +177,23 @@ async def _call(
                 if by_sha:
                     try:
                         value = await _roundtrip(
-                            conn, ("EVALSHA", step.script.sha, *tail), k, marks, over
+                            conn,
+                            ("EVALSHA", step.script.sha, *tail),
+                            k,
+                            marks,
+                            over,
+                            step.critical,
                         )
                     except NoScriptError:
                         by_sha = False
                 if not by_sha:
                     value = await _roundtrip(
-                        conn, ("EVAL", step.script.source, *tail), k, marks, over
+                        conn,
+                        ("EVAL", step.script.source, *tail),
+                        k,
+                        marks,
+                        over,
+                        step.critical,
                     )
                 if unsure and not (step.wins is not None and step.wins(value)):
                     # The first may have run: a release that did answers 0 when

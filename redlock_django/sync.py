@@ -23,7 +23,9 @@ and a node a little slower than the others does not cost a new connection (a TLS
 handshake) on every operation. A connection given up on is dropped with a reset
 (``sockets``), and one whose command the node's host has not even acknowledged is
 dropped at once, not kept: a command written into a partition never runs after
-the partition heals.
+the partition heals. A clean-up's connection given up on once its command reached
+the host is closed in order instead: the clean-up still runs when a frozen node
+resumes (``_drop``).
 
 How bytes move on one connection is ``wire.py``'s: the fast path reads redis-py
 internals (the socket, to poll() every node at once; the hiredis reader), the
@@ -101,8 +103,9 @@ class _Idle:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.conns: collections.deque[Any] = collections.deque()
-        #: Connections owing one reply, with the time after which it is given up.
-        self.owed: collections.deque[tuple[Any, float]] = collections.deque()
+        #: Connections owing one reply, with the time after which it is given up
+        #: and whether their command may still run after that (``_drop``).
+        self.owed: collections.deque[tuple[Any, float, bool]] = collections.deque()
         #: When a new connection to this node last timed out while connecting.
         self.stalled_at = -math.inf
 
@@ -140,10 +143,26 @@ def _give(idle: _Idle, conn: Any) -> None:
         conn.disconnect()
 
 
-def _owe(idle: _Idle, conn: Any, until: float) -> None:
+def _owe(idle: _Idle, conn: Any, until: float, late_ok: bool) -> None:
     """Keep aside a connection that still owes one reply, until ``until``."""
     if len(idle.owed) < MAX_IDLE:
-        idle.owed.append((conn, until))
+        idle.owed.append((conn, until, late_ok))
+    else:
+        _drop(conn, late_ok)
+
+
+def _drop(conn: Any, late_ok: bool) -> None:
+    """Drop a connection given up on while its reply is due.
+
+    A command that takes a lock must never run later: reset (``abort``). A
+    clean-up (``Fanout.critical``: a release, undoing an attempt, leaving a queue)
+    should: it is closed in order, after what it sent. A node frozen when it was
+    sent on a new connection has not accepted that connection yet, and a reset
+    makes its kernel discard it, clean-up and all, while the command it undoes,
+    sent earlier on an accepted connection, still runs when the node resumes.
+    """
+    if late_ok:
+        conn.disconnect()
     else:
         abort(conn)
 
@@ -159,14 +178,14 @@ def _settle(idle: _Idle) -> None:
     now = time.monotonic()
     for _ in range(len(owed)):
         try:
-            conn, until = owed.popleft()
+            conn, until, late_ok = owed.popleft()
         except IndexError:
             return
         if not _arrived(conn):
             if now < until:
-                owed.append((conn, until))
+                owed.append((conn, until, late_ok))
             else:
-                abort(conn)
+                _drop(conn, late_ok)
             continue
         try:
             _read_response(conn, _MIN_WAIT)
@@ -505,7 +524,8 @@ class _Round:
             # A slow node's acknowledgement may be delayed: it keeps its connection.
             owes = finished and (why == UNAWAITED or not in_flight(call.conn))
             if owes:
-                _owe(call.idle, call.conn, until)  # one reply still due on it
+                # One reply still due on it.
+                _owe(call.idle, call.conn, until, self.step.critical)
             else:
                 abort(call.conn)
 

@@ -7,10 +7,14 @@ without connecting for ``STALL_HOLD`` seconds, then tries it again.
 
 The stalled "nodes" here are real listening sockets that never accept, with
 their backlog filled by idle connections: the kernel drops further SYNs.
+
+A node frozen with room in its backlog does complete new connections, unaccepted:
+a release sent on one still runs when the node resumes (both drivers).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import time
@@ -19,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from harness.held import lock_key
 from harness.nodes import NodeSet
 from harness.proxy import FaultProxy
 from redlock_django import QuorumUnavailableError, Redlock, sync
@@ -113,3 +118,69 @@ def test_nodes_written_after_a_stalled_connect_still_get_their_whole_timeout(
         lock = Redlock("stalled-first")
         assert lock.acquire(blocking=False)
         lock.release()
+
+
+def _gone_from(node: Any, key: str, within: float = 2.0) -> bool:
+    """Whether ``key`` is gone from ``node`` now or within ``within`` s."""
+    deadline = time.monotonic() + within
+    with node.client() as client:
+        while client.exists(key):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+    return True
+
+
+def test_a_release_sent_on_a_new_connection_to_a_frozen_node_runs_when_it_resumes(
+    nodes: NodeSet,
+) -> None:
+    """A node frozen (SIGSTOP, a paused VM) while a lock is taken and released:
+    its acquire waits in the node's socket, its idle connection owing the reply,
+    so the release goes on a new connection, which the frozen server has not
+    accepted yet. Once the driver gives up on that connection (the next fan-out
+    to the node, NODE_TIMEOUT later), the release must still run when the node
+    resumes: a reset would make the kernel discard the unaccepted connection with
+    the release, and the acquire, which does run, would hold the lock on that
+    node for the whole TTL for nobody."""
+    frozen = nodes[4]
+    name = "stalled:late-release"
+    lock = Redlock(name, nodes=nodes.urls, node_timeout=NODE_TIMEOUT, ttl=30)
+    other = Redlock("stalled:other", nodes=nodes.urls, node_timeout=NODE_TIMEOUT)
+    assert lock.acquire(blocking=False)  # every node's connection is open
+    lock.release()
+    with frozen.paused():
+        assert lock.acquire(blocking=False)  # four of five
+        lock.release()
+        time.sleep(2 * NODE_TIMEOUT)
+        assert other.acquire(blocking=False)  # its fan-out gives up the owed ones
+        other.release()
+    assert _gone_from(frozen, lock_key(name)), (
+        "the lock's key stayed on the resumed node: its release never ran"
+    )
+
+
+def test_an_async_release_sent_to_a_frozen_node_runs_when_it_resumes(
+    nodes: NodeSet,
+) -> None:
+    """The same with ``aacquire()`` and ``arelease()`` (the asyncio driver)."""
+    frozen = nodes[4]
+    name = "stalled:late-async-release"
+    lock = Redlock(name, nodes=nodes.urls, node_timeout=NODE_TIMEOUT, ttl=30)
+    other = Redlock("stalled:other", nodes=nodes.urls, node_timeout=NODE_TIMEOUT)
+
+    async def take_and_release(taken: Redlock) -> None:
+        assert await taken.aacquire(blocking=False)
+        await taken.arelease()
+
+    async def run() -> None:
+        await take_and_release(lock)  # every node's connection is open
+        with frozen.paused():
+            await take_and_release(lock)  # four of five
+            await asyncio.sleep(2 * NODE_TIMEOUT)
+            await take_and_release(other)
+        await asyncio.sleep(0.5)  # what the nodes answer now is read
+
+    asyncio.run(run())
+    assert _gone_from(frozen, lock_key(name)), (
+        "the lock's key stayed on the resumed node: its release never ran"
+    )
