@@ -170,26 +170,15 @@ class Reader(threading.Thread):
         #: One per node, this reader's own: a reader that is ending drops them
         #: while the next one (started by a new waiter) connects its own.
         self.links = [Link(hub, i, pool) for i, pool in enumerate(hub.pools)]
-        # A connection made in its own thread interrupts the poll through this.
-        self._notify_r, self._notify_w = os.pipe()
-        os.set_blocking(self._notify_r, False)
-        os.set_blocking(self._notify_w, False)
+        # A connection made in its own thread interrupts the poll through a pipe,
+        # made when the thread runs: a start that fails or is interrupted (a
+        # signal handler's exception) leaves no descriptor behind.
+        self._notify_r = self._notify_w = -1
         self._notify_lock = threading.Lock()
-        self._alive = True
+        self._alive = False
         self._poller = select.poll()
-        self._poller.register(self._notify_r, select.POLLIN)
         #: The descriptors registered with the poller, and their links.
         self._polled: dict[int, Link] = {}
-
-    def discard(self) -> None:
-        """Close what a reader whose thread could not start opened (its pipe)."""
-        with self._notify_lock:
-            if self._alive:
-                self._alive = False
-                os.close(self._notify_r)
-                os.close(self._notify_w)
-        for link in self.links:
-            link.close()
 
     def run(self) -> None:
         # Whether to go on, and which channels to drop, is looked at once per
@@ -198,6 +187,12 @@ class Reader(threading.Thread):
         links = self.links
         looked = -POLL
         try:
+            with self._notify_lock:
+                self._notify_r, self._notify_w = os.pipe()
+                self._alive = True
+            os.set_blocking(self._notify_r, False)
+            os.set_blocking(self._notify_w, False)
+            self._poller.register(self._notify_r, select.POLLIN)
             while True:
                 now = time.monotonic()
                 if now - looked >= POLL:
@@ -232,9 +227,10 @@ class Reader(threading.Thread):
             # freed: a dead reader must not leave its nodes without wake-ups.
             self.hub.forget(self)
             with self._notify_lock:
-                self._alive = False
-                os.close(self._notify_r)
-                os.close(self._notify_w)
+                if self._alive:
+                    self._alive = False
+                    os.close(self._notify_r)
+                    os.close(self._notify_w)
             for link in links:
                 link.close()
 

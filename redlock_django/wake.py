@@ -224,17 +224,14 @@ class Hub:
             # handler's exception (Ctrl-C, a soft time limit) ended start() or
             # came before it: the slot is freed, so the next waiter starts a
             # reader. A thread that did start is then not the hub's, and ends
-            # (``keep``).
+            # (``keep``); one that never runs opened nothing (its pipe is made
+            # when it runs).
             with self._lock:
                 if self._reader is reader:
                     self._reader = None
             if not isinstance(exc, RuntimeError):
                 raise
             reraise_interruption(exc)
-            # No thread was made: its pipe is closed now, or a lasting thread limit
-            # would use up the process's descriptors, a waiter at a time.
-            if reader is not None and reader.ident is None:
-                reader.discard()
             # Wake-ups are a hint: this waiter sleeps out its retry.
             logger.info("redlock wake-ups off for now: %s", exc)
         if not new and reader is not None:
