@@ -187,9 +187,15 @@ class Reader(threading.Thread):
         links = self.links
         looked = -POLL
         try:
-            with self._notify_lock:
-                self._notify_r, self._notify_w = os.pipe()
-                self._alive = True
+            try:
+                with self._notify_lock:
+                    self._notify_r, self._notify_w = os.pipe()
+                    self._alive = True
+            except OSError as exc:
+                # Out of descriptors (EMFILE): wake-ups are a hint, the waiters
+                # sleep out their retries; the slot is freed below.
+                logger.info("redlock wake-ups off for now: %s", exc)
+                return
             os.set_blocking(self._notify_r, False)
             os.set_blocking(self._notify_w, False)
             self._poller.register(self._notify_r, select.POLLIN)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import socket
 import threading
 import time
@@ -585,6 +586,53 @@ def test_wake_up_readers_that_cannot_start_leave_no_descriptors_open(
 
 
 TRIES = 20
+
+
+@contextlib.contextmanager
+def _no_descriptor_can_open() -> Iterator[None]:
+    """While inside, this process can open no new file descriptor (EMFILE): its
+    soft RLIMIT_NOFILE is the lowest descriptor number still free."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    probe = os.open(os.devnull, os.O_RDONLY)  # the lowest free number
+    os.close(probe)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (probe, hard))
+    try:
+        with pytest.raises(OSError):
+            os.pipe()
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_wake_up_reader_out_of_descriptors_ends_quietly_and_its_waiter_waits_on(
+    redlock_settings: dict[str, Any], make_nodes: Callable[..., NodeSet]
+) -> None:
+    """A process out of file descriptors (EMFILE) starts a wake-up reader that
+    cannot make its pipe: wake-ups are a hint, so it ends without a thread
+    traceback, frees its hub's slot, and the waiter sleeps out its retries and
+    answers as it would have."""
+    crashed: list[str] = []
+    previous = threading.excepthook
+
+    def record(args: Any) -> None:
+        name = args.thread.name if args.thread else "?"
+        crashed.append(f"{name}: {args.exc_value!r}")
+
+    threading.excepthook = record
+    outcome: Any
+    try:
+        with _a_waiter_behind_a_holder("wake:no-fds", make_nodes, 0.05) as waiter:
+            assert not waiter.acquire(blocking=False)  # its connections are open
+            with _no_descriptor_can_open():
+                try:
+                    outcome = waiter.acquire(timeout=0.3)
+                except Exception as exc:  # reported below
+                    outcome = exc
+                time.sleep(0.3)  # the reader has run (and ended) by now
+    finally:
+        threading.excepthook = previous
+    assert outcome is False, f"acquire() raised {outcome!r}"
+    assert crashed == [], f"a thread died with a traceback: {crashed}"
 
 
 # KEYS: channels; ARGV[1] a round number; publishes BURST releases on each channel.
