@@ -23,9 +23,9 @@ and a node a little slower than the others does not cost a new connection (a TLS
 handshake) on every operation. A connection given up on is dropped with a reset
 (``sockets``), and one whose command the node's host has not even acknowledged is
 dropped at once, not kept: a command written into a partition never runs after
-the partition heals. A clean-up's connection given up on once its command reached
-the host is closed in order instead: the clean-up still runs when a frozen node
-resumes (``_drop``).
+the partition heals. A clean-up's connection given up on is closed in order
+instead: the clean-up still runs when a frozen node resumes or a partition heals
+(``_drop``).
 
 How bytes move on one connection is ``wire.py``'s: the fast path reads redis-py
 internals (the socket, to poll() every node at once; the hiredis reader), the
@@ -516,18 +516,21 @@ class _Round:
         if finished and why != UNAWAITED and lag > LATE_SLACK * self.timeout:
             why = f"{LATE}: looked {lag * 1000:.0f} ms after its deadline"
         until = time.monotonic() + self.timeout
+        critical = self.step.critical
         for call in self.waiting.values():
             self.replies.setdefault(call.index, NodeReply(error=why))
             # A command the node's host never acknowledged may still be in the
             # kernel's queue, retransmitted: reset the connection now, so that it
             # cannot run after this attempt's clean-up (a partition that heals).
             # A slow node's acknowledgement may be delayed: it keeps its connection.
+            # A clean-up should run late: closed in order, the kernel delivers it
+            # when the partition heals (``_drop``), as the asyncio driver does.
             owes = finished and (why == UNAWAITED or not in_flight(call.conn))
             if owes:
                 # One reply still due on it.
-                _owe(call.idle, call.conn, until, self.step.critical)
+                _owe(call.idle, call.conn, until, critical)
             else:
-                abort(call.conn)
+                _drop(call.conn, finished and critical)
 
 
 def fanout(

@@ -159,3 +159,42 @@ def test_an_async_attempt_given_up_in_a_partition_does_not_land_after_the_heal(
         return await asyncio.to_thread(_watch, cut, "phantom-async")
 
     assert asyncio.run(scenario()) == []
+
+
+def _held_on(nodes: Sequence[Any], resource: str) -> list[int]:
+    """Poll ``nodes`` for WATCH_SECONDS; the ports still holding the key at the end."""
+    deadline = time.monotonic() + WATCH_SECONDS
+    while time.monotonic() < deadline and _landed(nodes, resource):
+        time.sleep(0.05)
+    return _landed(nodes, resource)
+
+
+def test_a_release_given_up_in_a_partition_runs_after_the_heal(
+    five: NodeSet, partition: Any
+) -> None:
+    """A release cut off from a majority is given up with its commands still
+    unacknowledged: they are closed in order, not reset, so the kernel delivers
+    them when the partition heals and the keys go then, not a TTL (10 s) later.
+    A release only ever deletes its own token's key, so running late is safe."""
+    lock = Redlock("late-release")
+    assert lock.acquire(blocking=False)
+    cut = list(five)[:3]
+    with partition([node.port for node in cut]):
+        lock.release()  # 2 of 5 answer: not a quorum, the others keep it for now
+        time.sleep(PARTITION_SECONDS)
+    assert _held_on(cut, "late-release") == []
+
+
+def test_an_async_release_given_up_in_a_partition_runs_after_the_heal(
+    five: NodeSet, partition: Any
+) -> None:
+    async def scenario() -> list[int]:
+        lock = Redlock("late-async-release")
+        assert await lock.aacquire(blocking=False)
+        cut = list(five)[:3]
+        with partition([node.port for node in cut]):
+            await lock.arelease()
+            await asyncio.sleep(PARTITION_SECONDS)
+        return await asyncio.to_thread(_held_on, cut, "late-async-release")
+
+    assert asyncio.run(scenario()) == []
