@@ -108,6 +108,21 @@ class NodeSpec:
         default=None, repr=False, compare=False, hash=False
     )
 
+    def __post_init__(self) -> None:
+        # Hashed once: a lock's options (its node list among them) key the
+        # resolved configs, and an explicit ``nodes=[...]`` list is hashed at every
+        # lock built with it.
+        whole = (self.index, self.entry, self.alias, self.display, self.identity)
+        object.__setattr__(self, "_hash", hash(whole))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[no-any-return, attr-defined]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt, not copied: a string's hash differs from process to process.
+        fields = (self.index, self.entry, self.alias, self.display, self.identity)
+        return (NodeSpec, (*fields, self.cache))
+
     def __str__(self) -> str:
         return self.display
 

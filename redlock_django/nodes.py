@@ -123,7 +123,20 @@ def _kwargs(node: NodeSpec, timeout: float) -> tuple[type[Any], dict[str, Any]]:
 
 
 def _key(nodes: Sequence[NodeSpec], timeout: float) -> tuple[Any, ...]:
-    return (tuple((n.entry, n.identity) for n in nodes), timeout)
+    global _last_key
+    last_nodes, last_timeout, key = _last_key
+    # Every lock under one settings object (or one cached ``nodes=[...]`` list)
+    # passes the same tuple: its key is made once, not at every acquire and release.
+    if nodes is last_nodes and timeout == last_timeout and type(nodes) is tuple:
+        return key
+    key = (tuple((n.entry, n.identity) for n in nodes), timeout)
+    _last_key = (nodes, timeout, key)
+    return key
+
+
+#: The last node list ``_key`` was given, its timeout and its key (one tuple,
+#: replaced whole, so threads never see half of one).
+_last_key: tuple[Any, float, tuple[Any, ...]] = ((), 0.0, ((), 0.0))
 
 
 def sync_pools(
