@@ -366,6 +366,107 @@ def run_uncontended(
     return list(results.values())
 
 
+#: The uncontended targets that are ratios of two contestants on the same nodes:
+#: (measured, baseline, nodes). Each is also measured paired (``run_paired``).
+PAIRS = (
+    ("redlock_django", "raw floor", 5),
+    ("redlock_django", "pottery Redlock", 5),
+    ("redlock_django", "redis-py Lock", 1),
+    ("redlock_django nodes=[...]", "redlock_django", 5),
+)
+
+
+@dataclass
+class Paired:
+    """Two contestants run in alternating blocks: the ratio of their rates."""
+
+    name: str
+    baseline: str
+    nodes: int
+    #: Cycles and seconds of each side, summed over the blocks.
+    cycles: list[int] = field(default_factory=lambda: [0, 0])
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: The ratio over each half of the blocks: how far it moved within the run.
+    halves: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        rate, base = (
+            c / t if t else 0.0 for c, t in zip(self.cycles, self.seconds, strict=True)
+        )
+        return rate / base if base else float("nan")
+
+
+def _block(cycle: Callable[[str], None], prefix: str, seconds: float) -> tuple:
+    clock = time.perf_counter
+    started = now = clock()
+    n = 0
+    while now - started < seconds:
+        cycle(f"{prefix}:{n}")
+        n += 1
+        now = clock()
+    return n, now - started
+
+
+def run_paired(
+    ports: Sequence[int],
+    urls: Sequence[str],
+    seconds: float,
+    warmup: int,
+    block: float = 0.1,
+) -> list[Paired]:
+    """Measure each of ``PAIRS`` as one ratio: the two sides alternate in blocks of
+    ``block`` seconds for ``seconds`` in all, so both see the same machine.
+
+    A ratio of two medians of separate runs moves by 10-20% with what else the
+    machine runs (other tenants' CPU); alternating every tenth of a second leaves
+    only changes faster than that to fall on one side.
+    """
+    by_name = {c.name: c for c in contestants()}
+    results = []
+    for name, baseline, n in PAIRS:
+        if name not in by_name or baseline not in by_name:
+            continue
+        result = Paired(name, baseline, n)
+        closers = []
+        try:
+            cycles = []
+            for side in (name, baseline):
+                cycle, close = by_name[side].setup(ports[:n], urls[:n])
+                closers.append(close)
+                cycles.append(cycle)
+            tag = f"p:{name.replace(' ', '-')}:{baseline.replace(' ', '-')}:{n}"
+            for side, cycle in enumerate(cycles):
+                for i in range(warmup):
+                    cycle(f"{tag}:warm:{side}:{i}")
+            blocks = max(2, round(seconds / (2 * block)))
+            half: list[list[float]] = [[0, 0.0, 0, 0.0], [0, 0.0, 0, 0.0]]
+            for b in range(blocks):
+                # Each pair of blocks starts with the other side: neither always
+                # runs right after the other's garbage.
+                order = (0, 1) if b % 2 == 0 else (1, 0)
+                for side in order:
+                    done, took = _block(cycles[side], f"{tag}:{b}:{side}", block)
+                    result.cycles[side] += done
+                    result.seconds[side] += took
+                    h = half[0 if b < blocks // 2 else 1]
+                    h[2 * side] += done
+                    h[2 * side + 1] += took
+            for c0, t0, c1, t1 in half:
+                if t0 and t1 and c1:
+                    result.halves.append((c0 / t0) / (c1 / t1))
+        finally:
+            for close in reversed(closers):
+                close()
+        results.append(result)
+        print(
+            f"  paired  {name} / {baseline}, {n} node(s): {result.ratio:.2f}x "
+            f"(halves {' / '.join(f'{x:.2f}' for x in result.halves)})",
+            flush=True,
+        )
+    return results
+
+
 # --- contended ----------------------------------------------------------------------
 
 
@@ -914,6 +1015,7 @@ def targets(
     uncontended: list[Uncontended],
     contended: list[Contended],
     slow: SlowNode | None = None,
+    paired: Sequence[Paired] = (),
 ) -> str:
     def u(name: str, n: int) -> float:
         for r in uncontended:
@@ -921,37 +1023,50 @@ def targets(
                 return r.median("cycles_per_s")
         return float("nan")
 
+    def ratio(name: str, baseline: str, n: int) -> tuple[float, str]:
+        """The paired ratio where measured (its medians' ratio beside it)."""
+        medians = u(name, n) / u(baseline, n)
+        for p in paired:
+            if (p.name, p.baseline, p.nodes) == (name, baseline, n):
+                return p.ratio, f"paired; medians of the runs {medians:.2f}x"
+        return medians, "medians of the runs"
+
     def c(name: str, n: int) -> Contended | None:
         return next((x for x in contended if x.name == name and x.nodes == n), None)
 
     checks = []
     if uncontended:
-        rd5, floor5, pot5 = (
-            u("redlock_django", 5),
-            u("raw floor", 5),
-            u("pottery Redlock", 5),
-        )
+        rd5 = u("redlock_django", 5)
+        to_floor, how = ratio("redlock_django", "raw floor", 5)
         checks.append(
             (
-                f"uncontended 5 nodes >= 0.7x floor ({rd5 / floor5:.2f}x)",
-                rd5 >= 0.7 * floor5,
+                f"uncontended 5 nodes >= 0.7x floor ({to_floor:.2f}x, {how})",
+                to_floor >= 0.7,
             )
         )
+        to_pottery, how = ratio("redlock_django", "pottery Redlock", 5)
         checks.append(
-            (f"uncontended 5 nodes >= 6x pottery ({rd5 / pot5:.1f}x)", rd5 >= 6 * pot5)
+            (
+                f"uncontended 5 nodes >= 6x pottery ({to_pottery:.1f}x, {how})",
+                to_pottery >= 6,
+            )
         )
-        rd1, rp1 = u("redlock_django", 1), u("redis-py Lock", 1)
+        to_redis_py, how = ratio("redlock_django", "redis-py Lock", 1)
         checks.append(
-            (f"uncontended 1 node >= redis-py Lock ({rd1 / rp1:.2f}x)", rd1 >= rp1)
+            (
+                f"uncontended 1 node >= redis-py Lock ({to_redis_py:.2f}x, {how})",
+                to_redis_py >= 1,
+            )
         )
-        explicit5 = u("redlock_django nodes=[...]", 5)
+        explicit, how = ratio("redlock_django nodes=[...]", "redlock_django", 5)
         checks.append(
             (
                 f"nodes=[...] within 5% of the settings path, 5 nodes "
-                f"({explicit5 / rd5:.2f}x)",
-                explicit5 >= 0.95 * rd5,
+                f"({explicit:.2f}x, {how})",
+                explicit >= 0.95,
             )
         )
+        floor5 = u("raw floor", 5)
         f5 = u("redlock_django fencing", 5)
         # One extra round trip at most: the fenced cycle costs at most the plain cycle
         # plus one more floor round trip (half a floor cycle).
@@ -1122,8 +1237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.quick:
         reps, seconds, warmup, contended_seconds = 3, 0.25, 30, 1.5
+        paired_seconds = 4.0
     else:
         reps, seconds, warmup, contended_seconds = 5, 0.8, 100, 5.0
+        paired_seconds = 10.0
 
     from harness.nodes import NodeSet
 
@@ -1136,11 +1253,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             configure(nodes.urls)
             ports, urls = nodes.ports, nodes.urls
             uncontended: list[Uncontended] = []
+            paired: list[Paired] = []
             contended: list[Contended] = []
             began = time.monotonic()
             if args.only != "contended":
                 print(f"uncontended: {reps} reps of {seconds}s per configuration")
                 uncontended = run_uncontended(ports, urls, reps, seconds, warmup)
+                print(f"paired: {paired_seconds}s per ratio target, blocks of 0.1s")
+                paired = run_paired(ports, urls, paired_seconds, warmup)
             if args.only != "uncontended":
                 contended = run_contended_rounds(nodes, args.rounds, contended_seconds)
             slow: SlowNode | None = None
@@ -1155,7 +1275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(extras_report(slow, memory))
             if uncontended or contended:
                 print("\nissue 5 and 12 targets (this run):")
-                print(targets(uncontended, contended, slow))
+                print(targets(uncontended, contended, slow, paired))
             if args.json:
                 args.json.write_text(
                     json.dumps(
@@ -1165,6 +1285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "slow_node": None if slow is None else asdict(slow),
                             "memory": None if memory is None else asdict(memory),
                             "uncontended": [asdict(r) for r in uncontended],
+                            "paired": [{**asdict(p), "ratio": p.ratio} for p in paired],
                             "contended": [
                                 {
                                     **asdict(c),
