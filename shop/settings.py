@@ -70,7 +70,13 @@ WSGI_APPLICATION = "shop.wsgi.application"
 ASGI_APPLICATION = "shop.asgi.application"
 
 DATABASES = {
-    "default": dj_database_url.config(default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")
+    # Persistent connections (checked before reuse): a request does not open its
+    # own, which on PostgreSQL costs a server process per request; 0 turns it off.
+    "default": dj_database_url.config(
+        default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}",
+        conn_max_age=int(os.environ.get("CONN_MAX_AGE", "60")),
+        conn_health_checks=True,
+    )
 }
 # Requests run in a transaction; the shop's own views opt out (see shop/views.py:
 # they must open their transaction only after taking the lock) and the lock
