@@ -55,6 +55,7 @@ SHOP_ENV: dict[str, str] = {
     "SHOP_WORK_MS": "5",
     "SHOP_MAX_PER_ORDER": "5",
     "SHOP_TIMINGS_DIR": "",  # off (shop/timings.py)
+    "CONN_MAX_AGE": "60",  # each worker keeps its database connection
 }
 # Locust's environment (compose's `x-locust-env`, the locked scenario).
 LOCUST_ENV: dict[str, str] = {"SHOP_PRODUCT_ID": "1", "SHOP_SCENARIO": "locked"}
