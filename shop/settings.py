@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -17,6 +18,19 @@ def _env_bool(name: str, default: bool) -> bool:
     if value is None:
         return default
     return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_number(name: str, default: str, kind: type, minimum: float) -> float:
+    """A number from the environment, at least ``minimum``; a clear error otherwise."""
+    raw = os.environ.get(name, default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        word = "an integer" if kind is int else "a number"
+        raise ImproperlyConfigured(f"{name} must be {word}, not {raw!r}") from None
+    if value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum}, not {raw!r}")
+    return value
 
 
 def _env_list(name: str, default: str) -> list[str]:
@@ -74,7 +88,7 @@ DATABASES = {
     # own, which on PostgreSQL costs a server process per request; 0 turns it off.
     "default": dj_database_url.config(
         default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}",
-        conn_max_age=int(os.environ.get("CONN_MAX_AGE", "60")),
+        conn_max_age=int(_env_number("CONN_MAX_AGE", "60", int, 0)),
         conn_health_checks=True,
     )
 }
@@ -98,8 +112,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 REDLOCK = {
     "NODES": _env_list("REDLOCK_NODES", "redis://127.0.0.1:6379/0"),
     # A product lock's lease, and how long a buyer waits for it before a 423.
-    "TTL": float(os.environ.get("REDLOCK_TTL", "5")),
-    "WAIT_TIMEOUT": float(os.environ.get("REDLOCK_WAIT_TIMEOUT", "2")),
+    "TTL": _env_number("REDLOCK_TTL", "5", float, 0),
+    "WAIT_TIMEOUT": _env_number("REDLOCK_WAIT_TIMEOUT", "2", float, 0),
     # First come, first served: buyers waiting for a product are granted it in
     # the order they asked, and a release wakes only the next one
     # (docs/fairness.md). REDLOCK_FAIR=0 for the barging lock, to compare.
@@ -111,12 +125,12 @@ DEFAULT_EXCEPTION_REPORTER_FILTER = "redlock_django.conf.SafeSettingsReporterFil
 
 # Simulated "payment" time spent inside both buy views' critical sections, so the
 # locked and unsafe endpoints are compared doing the same work.
-SHOP_WORK_SECONDS = int(os.environ.get("SHOP_WORK_MS", "5")) / 1000
+SHOP_WORK_SECONDS = _env_number("SHOP_WORK_MS", "5", int, 0) / 1000
 # A directory: when set, the buy view writes per-phase timings of each purchase
 # there (shop/timings.py; ``make demo`` sets it for its locked run).
 SHOP_TIMINGS_DIR = os.environ.get("SHOP_TIMINGS_DIR", "")
 # Most units one order may buy.
-SHOP_MAX_PER_ORDER = int(os.environ.get("SHOP_MAX_PER_ORDER", "5"))
+SHOP_MAX_PER_ORDER = int(_env_number("SHOP_MAX_PER_ORDER", "5", int, 1))
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -303,6 +303,33 @@ def test_every_problem_has_a_hint(settings) -> None:
     assert set(checks.HINTS) == settings_ids | warnings
 
 
+def test_a_node_spec_pickled_in_another_process_hashes_as_one_parsed_here() -> None:
+    """NodeSpec keeps its hash from construction; a copy made by another process
+    (another hash seed: string hashes differ) is rebuilt, so it equals and hashes
+    like the same node parsed here, and finds the same dict entries."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    entry = "redis://cache.example.com:7001/2"
+    script = (
+        "import pickle, sys; from redlock_django.address import parse_node; "
+        f"sys.stdout.buffer.write(pickle.dumps(parse_node({entry!r}, 3)))"
+    )
+    seed = "54321" if os.environ.get("PYTHONHASHSEED") == "12345" else "12345"
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    theirs = pickle.loads(done.stdout)
+    ours = parse_node(entry, 3)
+    assert theirs == ours
+    assert hash(theirs) == hash(ours)
+    assert {ours: "pools"}[theirs] == "pools"
+
+
 # --- parse_node -------------------------------------------------------------------
 
 

@@ -178,6 +178,39 @@ def test_bad_input_is_400_with_the_reason_before_any_lock(
     assert not Order.objects.exists()
 
 
+BAD_ENVIRONMENT = [
+    ("CONN_MAX_AGE", "sixty", "CONN_MAX_AGE must be an integer, not 'sixty'"),
+    ("CONN_MAX_AGE", "-1", "CONN_MAX_AGE must be at least 0, not '-1'"),
+    ("SHOP_WORK_MS", "5ms", "SHOP_WORK_MS must be an integer, not '5ms'"),
+    ("SHOP_MAX_PER_ORDER", "0", "SHOP_MAX_PER_ORDER must be at least 1, not '0'"),
+    ("REDLOCK_TTL", "five", "REDLOCK_TTL must be a number, not 'five'"),
+    ("REDLOCK_WAIT_TIMEOUT", "-2", "REDLOCK_WAIT_TIMEOUT must be at least 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), BAD_ENVIRONMENT)
+def test_a_bad_shop_environment_variable_is_improperly_configured_naming_it(
+    name: str, value: str, message: str
+) -> None:
+    """The shop's settings refuse a malformed number with ImproperlyConfigured
+    naming the variable, not a bare ValueError from deep in the import."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_")}
+    env.update(DJANGO_SETTINGS_MODULE="shop.settings", PYTHONPATH=str(ROOT))
+    env[name] = value
+    done = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("django.core.exceptions.ImproperlyConfigured: "), last
+    assert message in last
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     "body",
