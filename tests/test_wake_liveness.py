@@ -155,7 +155,9 @@ def test_a_waiter_behind_a_live_first_waiter_makes_no_attempt_until_woken(
     no attempt of its own every QUEUE_LIFE while the lock is held three times
     that long."""
     resource = "rw:live-head-slow-retry"
-    holder = hold(resource, fair=True)
+    # Held through two waiter processes' start-ups and 3 x QUEUE_LIFE: on a busy
+    # host (pytest -n 2, a CPU hog) that outlasted the suite's 10 s TTL.
+    holder = hold(resource, fair=True, ttl=60)
     first = spawn("first", resource, "--retry-delay", str(SLOW_RETRY))
     wait_until_queued(nodes, resource, 1)
     second = spawn("second", resource, "--retry-delay", str(SLOW_RETRY))
