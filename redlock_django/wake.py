@@ -229,9 +229,12 @@ class Hub:
             with self._lock:
                 if self._reader is reader:
                     self._reader = None
+            # Landing as the thread started, the handler's exception comes out of
+            # start() as a KeyError (CPython takes the running thread out of
+            # threading._limbo a second time): the caller gets the interruption.
+            reraise_interruption(exc)
             if not isinstance(exc, RuntimeError):
                 raise
-            reraise_interruption(exc)
             # Wake-ups are a hint: this waiter sleeps out its retry.
             logger.info("redlock wake-ups off for now: %s", exc)
         if not new and reader is not None:

@@ -46,6 +46,7 @@ from redlock_django import (
     sync,
     wake,
 )
+from redlock_django.readers import Reader
 from redlock_django.scripts import EXTEND_SCRIPT
 from tests._forked import Report, in_forked_child
 
@@ -1306,3 +1307,63 @@ def test_an_aacquire_interrupted_as_it_starts_or_stops_watching_leaves_no_watche
     for ``aacquire()``."""
     resource = "holds:interrupted-async-watch"
     _assert_grants_released(_interrupted_async_watch_changes, resource, nodes)
+
+
+def _interrupted_as_the_reader_thread_starts(resource: str, mode: str) -> str:
+    """In a forked child: wait for ``resource`` (held elsewhere) while a signal
+    handler raises the moment the wake-up reader's thread has started, before
+    ``Thread.start()`` returns. CPython's ``start()`` then tries to take the
+    thread back out of ``threading._limbo``, where the running thread already
+    took itself out, and raises ``KeyError`` from that interruption (seen once
+    in CI, by the timing loop above). Return what the acquisition raised."""
+    names = ("_start_new_thread", "_start_joinable_thread")
+    originals = {n: getattr(threading, n) for n in names if hasattr(threading, n)}
+
+    def late_signal(name: str) -> Callable[..., Any]:
+        def start(function: Any, *args: Any, **kwargs: Any) -> Any:
+            started = originals[name](function, *args, **kwargs)
+            thread = getattr(function, "__self__", None)
+            if isinstance(thread, Reader):
+                deadline = time.monotonic() + 5
+                while thread in threading._limbo and time.monotonic() < deadline:  # type: ignore[attr-defined]
+                    time.sleep(0.001)
+                signal.raise_signal(signal.SIGUSR1)  # its handler raises here
+            return started
+
+        return start
+
+    def raise_interrupted(signum: int, frame: Any) -> None:
+        raise _Interrupted("interrupted by a signal handler")
+
+    signal.signal(signal.SIGUSR1, raise_interrupted)
+    for name in originals:
+        setattr(threading, name, late_signal(name))
+    waiter = Redlock(resource)
+    try:
+        if mode == "sync":
+            waiter.acquire(timeout=2)
+        else:
+            asyncio.run(waiter.aacquire(timeout=2))
+    except BaseException as exc:
+        return type(exc).__name__
+    return "nothing"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_interruption_as_the_wake_up_reader_starts_comes_out_as_itself(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    hold: Callable[..., Redlock],
+    mode: str,
+) -> None:
+    """A signal handler's exception that lands as the hub's reader thread starts
+    reaches the waiter's caller as itself, not as the ``KeyError`` CPython's
+    ``Thread.start()`` raises from it."""
+    resource = f"holds:reader-start-{mode}"
+    hold(resource)
+    report = in_forked_child(
+        functools.partial(_interrupted_as_the_reader_thread_starts, resource, mode),
+        wait=30,
+    )
+    assert report.outcome == "done", report
+    assert report.value == "_Interrupted", report
