@@ -415,7 +415,10 @@ async def run(
                 else:
                     reply = await fanout(clients, step, timeout)
             except BaseException as exc:
-                pending = exc
+                # As in ``sync.run``: a signal handler's exception that landed in
+                # the standard library (threading, asyncio) and made it raise an
+                # error of its own is thrown into the flow as itself.
+                pending = interruption(exc) or exc
     finally:
         if watch is not None and hub is not None:
             try:
