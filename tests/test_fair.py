@@ -41,12 +41,13 @@ def line_up(
 ) -> Callable[..., tuple[Redlock, list[subprocess.Popen[str]]]]:
     """``line_up(resource, names, retry_delay)``: hold ``resource`` (fair) here, then
     start one waiter process per name, each queued on every node before the next.
-    Returns the holder and the processes."""
+    Returns the holder and the processes. The holder's lease (60 s) outlasts the
+    waiters' start-ups: four of them on a busy host took more than the 10 s TTL."""
 
     def start(
         resource: str, names: str, retry_delay: float = SLOW_RETRY, *extra: str
     ) -> tuple[Redlock, list[subprocess.Popen[str]]]:
-        holder = hold(resource, fair=True)
+        holder = hold(resource, fair=True, ttl=60)
         procs = []
         for k, name in enumerate(names, start=1):
             delay = ("--retry-delay", str(retry_delay))
