@@ -831,7 +831,8 @@ def _wait_in_queue(
     The entry is refreshed whenever it is due during the wait. ``try_at`` capped
     at the expiry of the first entry, ahead of ours, is moved on to that entry's
     new expiry (up to ``later``, the uncapped time) when a refresh finds it
-    refreshed. Returns whether a wake-up ended the wait.
+    refreshed. A refresh overdue enough that the entry may have lapsed ends the
+    wait instead. Returns whether a wake-up ended the wait.
     """
     if not place.ticket:
         yield from _take_place(spec, place, clock)
@@ -845,6 +846,15 @@ def _wait_in_queue(
             return woken  # True, or the nodes' hand-off messages
         if clock() >= try_at:
             return False  # the attempt refreshes the entry too
+        if place.ticket and clock() >= place.refresh_at + spec.queue_life / 3:
+            # The refresh is overdue by a third of the entry's life (this process
+            # was frozen, or starved of CPU): the entry may have lapsed, and a
+            # release passed it by with the lock free. An attempt finds out, and
+            # queues this waiter again if it must wait; one that does not refresh
+            # the entry on a quorum leaves it to the next refresh, not to another
+            # attempt at once.
+            place.refresh_at = clock() + spec.queue_life / 3
+            return False
         if place.ticket and clock() >= place.refresh_at:
             replies = yield _enqueue(spec, place, place.ticket, later is not None)
             place.refresh_at = clock() + spec.queue_life / 3

@@ -317,6 +317,28 @@ def test_a_shorter_queue_life_setting_bounds_a_frozen_first_waiters_delay(
     assert got["at"] - stopped < life + 0.5, got["at"] - stopped
 
 
+def test_a_first_waiter_frozen_past_its_queue_entry_tries_at_once_when_it_resumes(
+    redlock_settings: dict[str, Any], nodes: NodeSet, line_up: Callable[..., Any]
+) -> None:
+    """The only waiter (30 s retry delay) is frozen (SIGSTOP) until its queue entry
+    has expired; the holder releases meanwhile, so the release names nobody. Once
+    resumed, the waiter finds its entry's refresh overdue: the entry may have
+    lapsed, and a release passed it by, so it tries at once and takes the free
+    lock, instead of sleeping out its retry delay (its 20 s wait) with the lock free."""
+    holder, [first] = line_up("fair:lapsed", "f")
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        time.sleep(QUEUE_LIFE + 0.5)
+        holder.release()
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    got = result(first)
+    assert got["event"] == "acquired", got
+    assert got["at"] - resumed < 5.0, got["at"] - resumed
+    assert queued(nodes, "fair:lapsed") == [0] * len(nodes)
+
+
 def test_a_first_waiter_that_gives_up_while_the_lock_is_free_wakes_the_next(
     settings: Any,
     redlock_settings: dict[str, Any],
