@@ -339,6 +339,57 @@ def test_a_first_waiter_frozen_past_its_queue_entry_tries_at_once_when_it_resume
     assert queued(nodes, "fair:lapsed") == [0] * len(nodes)
 
 
+def test_an_asyncio_waiter_blocked_past_its_queue_entry_tries_at_once(
+    redlock_settings: dict[str, Any], hold: Callable[..., Redlock]
+) -> None:
+    """The same with an asyncio waiter (30 s retry delay): its event loop is
+    blocked (a synchronous wait) until its queue entry has expired and the holder
+    has released, naming nobody. Once the loop runs again, the waiter's overdue
+    refresh is an attempt, which takes the free lock. (The process's channel is
+    heard from the start: its confirmation would wake the waiter otherwise.)"""
+    holder = hold("fair:lapsed-async", fair=True, ttl=60)
+    go, blocked, released = threading.Event(), threading.Event(), threading.Event()
+    took: list[float] = []
+
+    def make() -> Redlock:
+        return Redlock(
+            "fair:lapsed-async", fair=True, retry_delay=SLOW_RETRY, retry_jitter=0
+        )
+
+    async def wait() -> None:
+        lock = make()
+        assert await lock.aacquire(timeout=20)
+        took.append(time.monotonic())
+        await lock.arelease()
+
+    async def main() -> float:
+        waiter = asyncio.create_task(wait())
+        while not go.is_set():
+            await asyncio.sleep(0.01)
+        blocked.set()
+        # The loop blocked until the release: no refresh, no wake-up meanwhile.
+        assert released.wait(20)
+        resumed = time.monotonic()
+        await asyncio.wait_for(waiter, 25)
+        return resumed
+
+    with (
+        _heard_from_the_start(make()) as waits,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        running = pool.submit(asyncio.run, main())
+        try:
+            waits()
+        finally:
+            go.set()
+        assert blocked.wait(20)
+        time.sleep(QUEUE_LIFE + 0.5)
+        holder.release()
+        released.set()
+        resumed = running.result(timeout=40)
+    assert took[0] - resumed < 5.0, took[0] - resumed
+
+
 def test_a_first_waiter_that_gives_up_while_the_lock_is_free_wakes_the_next(
     settings: Any,
     redlock_settings: dict[str, Any],
