@@ -581,6 +581,7 @@ def acquire_flow(
                     yield from _settle_place(spec, place, tickets, clock)
                 elif place.ticket and tickets.count(place.ticket) >= spec.quorum:
                     # This attempt refreshed the entry.
+                    place.placed_at = start
                     place.refresh_at = start + spec.queue_life / 3
             most = spec.node_count - spec.quorum
             # A client late for the replies is no evidence of an outage; nor is a
@@ -676,6 +677,8 @@ class _Place:
     ticket: int | None = None
     #: Clock time its entry must be refreshed by.
     refresh_at: float = 0.0
+    #: Clock time the last write of its entry that a quorum confirmed started.
+    placed_at: float = 0.0
     #: The number of the waiter's last attempt, and the clock time it started:
     #: a hand-off names the attempt whose refusal it follows, and its lease
     #: counts from that start.
@@ -801,7 +804,8 @@ def _settle_place(
         if sum(1 for r in written if _ticketed(r.value)) < spec.quorum:
             return
     place.ticket = top
-    place.refresh_at = clock() + spec.queue_life / 3
+    place.placed_at = clock()
+    place.refresh_at = place.placed_at + spec.queue_life / 3
 
 
 def _leave(spec: LockSpec, place: _Place, token: str) -> Fanout:
@@ -832,7 +836,8 @@ def _wait_in_queue(
     at the expiry of the first entry, ahead of ours, is moved on to that entry's
     new expiry (up to ``later``, the uncapped time) when a refresh finds it
     refreshed. A refresh overdue enough that the entry may have lapsed ends the
-    wait instead. Returns whether a wake-up ended the wait.
+    wait instead, as does one that reaches a majority again only after the
+    entry may have lapsed. Returns whether a wake-up ended the wait.
     """
     if not place.ticket:
         yield from _take_place(spec, place, clock)
@@ -856,8 +861,18 @@ def _wait_in_queue(
             place.refresh_at = clock() + spec.queue_life / 3
             return False
         if place.ticket and clock() >= place.refresh_at:
+            began = clock()
             replies = yield _enqueue(spec, place, place.ticket, later is not None)
             place.refresh_at = clock() + spec.queue_life / 3
+            written = _placed if later is not None else _ticketed
+            if sum(1 for r in replies if r.ok and written(r.value)) >= spec.quorum:
+                lapsed = began >= place.placed_at + spec.queue_life * 2 / 3
+                place.placed_at = began
+                if lapsed:
+                    # The refreshes before this one reached no majority (the
+                    # nodes were cut off): the entry may have lapsed meanwhile,
+                    # and a release passed it by with the lock free.
+                    return False
             if later is not None:
                 ahead = behind_for(spec, replies)
                 if ahead is not None and ahead > 0:

@@ -339,6 +339,38 @@ def test_a_first_waiter_frozen_past_its_queue_entry_tries_at_once_when_it_resume
     assert queued(nodes, "fair:lapsed") == [0] * len(nodes)
 
 
+def test_a_first_waiter_cut_off_from_every_node_past_its_entry_tries_once_healed(
+    nodes: NodeSet, spawn: Callable[..., Any], hold: Callable[..., Redlock]
+) -> None:
+    """The only waiter (30 s retry delay) reaches every node through a fault proxy;
+    all of them black-hole its traffic (its refreshes, its wake-ups) until its queue
+    entry has expired everywhere, and the holder releases meanwhile, naming nobody.
+    Once the cut heals, the waiter's next refresh reaches a majority after a gap
+    longer than the entry's life: a release may have passed it by, so it tries at
+    once and takes the free lock, instead of sleeping out its retry delay."""
+    proxies = [FaultProxy(node.port).start() for node in nodes]
+    try:
+        holder = hold("fair:cut", fair=True, ttl=60)
+        urls = [proxy.url for proxy in proxies]
+        life = ("--queue-life", str(QUEUE_LIFE))
+        first = spawn("f", "fair:cut", "--retry-delay", str(SLOW_RETRY), *life,
+                      "--timeout", "25", urls=urls)  # fmt: skip
+        wait_until_queued(nodes, "fair:cut", 1)
+        for proxy in proxies:
+            proxy.blackhole()
+        time.sleep(QUEUE_LIFE + 0.5)
+        holder.release()
+        for proxy in proxies:
+            proxy.pass_through()
+        healed = time.monotonic()
+        got = result(first)
+    finally:
+        for proxy in proxies:
+            proxy.close()
+    assert got["event"] == "acquired", got
+    assert got["at"] - healed < 5.0, got["at"] - healed
+
+
 def test_an_asyncio_waiter_blocked_past_its_queue_entry_tries_at_once(
     redlock_settings: dict[str, Any], hold: Callable[..., Redlock]
 ) -> None:
