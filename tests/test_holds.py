@@ -1000,17 +1000,20 @@ def _woken_grant_rounds(
     complains of."""
     fired: list[str] = []
     raise_interrupted = _shot_handler(fired)
-    walking: list[bool] = []  # a tick landing in this handler returns at once
 
     def raise_after_the_grant(signum: int, frame: Any) -> None:
-        if fired or walking:
+        # The timer is one-shot, armed again as the handler ends: ticks every
+        # ``tick`` of an interval timer starved the program once the handler's
+        # walk up the stack took longer than that (Python 3.13, a slower
+        # machine: handlers nested in handlers, 300 rounds not done in 90 s).
+        if fired:
             return
-        walking.append(True)
         try:
             if after_the_grant(frame):
                 raise_interrupted(signum, frame)
         finally:
-            walking.clear()
+            if _ticking and not fired:
+                signal.setitimer(signal.ITIMER_REAL, tick)
 
     signal.signal(signal.SIGALRM, raise_after_the_grant)
     gc.freeze()
@@ -1024,9 +1027,10 @@ def _woken_grant_rounds(
     for n in itertools.count():
         # On a loaded machine most rounds may not wait (the holder's 4 ms are over
         # before the waiter's first attempt lands): rounds go on while too few
-        # shots landed, within the budget.
-        if n >= _WOKEN_ROUNDS and (
-            landed >= _ENOUGH_LANDED or time.monotonic() - began >= _ROUNDS_BUDGET
+        # shots landed, within the budget, which also bounds a slow machine's
+        # rounds (the child is killed, unheard, after 90 s).
+        if time.monotonic() - began >= _ROUNDS_BUDGET or (
+            n >= _WOKEN_ROUNDS and landed >= _ENOUGH_LANDED
         ):
             break
         if hubs:
@@ -1042,12 +1046,13 @@ def _woken_grant_rounds(
         taken.wait(5)
         interrupted = False
         try:
-            signal.setitimer(signal.ITIMER_REAL, tick, tick)
+            _ticking.append(True)
+            signal.setitimer(signal.ITIMER_REAL, tick)
             attempt(waiter)
         except _Interrupted:
             interrupted = True
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            _stop_ticks()
         thread.join()
         if not fired:
             continue
@@ -1064,6 +1069,19 @@ def _woken_grant_rounds(
     return landed, wrong
 
 
+#: Set while ``_woken_grant_rounds`` ticks: its handler arms the timer again only
+#: then, so ``_stop_ticks`` ends the ticks even when one already delivered runs
+#: its handler after the timer was disarmed.
+_ticking: list[bool] = []
+
+
+def _stop_ticks() -> None:
+    """Stop the ticks of ``_woken_grant_rounds`` (a round's attempt, once it got
+    its answer: no shot lands in its release)."""
+    _ticking.clear()
+    signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 _WOKEN_ROUNDS = 300
 #: More rounds, up to ``_ROUNDS_BUDGET`` seconds in all, until this many landed.
 _ENOUGH_LANDED = 10
@@ -1073,7 +1091,7 @@ _ROUNDS_BUDGET = 60.0
 def _acquire_then_release(waiter: Redlock) -> None:
     """A round's attempt: acquire, stop the timer, release what was got."""
     acquired = waiter.acquire(timeout=5)
-    signal.setitimer(signal.ITIMER_REAL, 0)
+    _stop_ticks()
     if acquired:
         waiter.release()
 
@@ -1116,7 +1134,7 @@ def _interrupted_woken_async_grants(resource: str, urls: list[str]) -> Any:
 
     async def acquire_and_release(waiter: Redlock) -> None:
         acquired = await waiter.aacquire(timeout=5)
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        _stop_ticks()
         if acquired:
             await waiter.arelease()
 
@@ -1208,7 +1226,7 @@ def _interrupted_async_watch_changes(resource: str, urls: list[str]) -> Any:
 
     async def acquire_and_release(waiter: Redlock) -> None:
         acquired = await waiter.aacquire(timeout=5)
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        _stop_ticks()
         if acquired:
             await waiter.arelease()
 
