@@ -677,7 +677,8 @@ class _Place:
     ticket: int | None = None
     #: Clock time its entry must be refreshed by.
     refresh_at: float = 0.0
-    #: Clock time the last write of its entry that a quorum confirmed started.
+    #: Clock time of the last write of its entry that a quorum confirmed: when it
+    #: started (a refresh, an attempt), or when a draw's replies came.
     placed_at: float = 0.0
     #: The number of the waiter's last attempt, and the clock time it started:
     #: a hand-off names the attempt whose refusal it follows, and its lease
