@@ -850,13 +850,20 @@ def _interrupted_async_attempts(resource: str, urls: list[str], wait: float) -> 
     raise_interrupted = _shot_handler(fired)
 
     def raise_in_the_driver(signum: int, frame: Any) -> None:
-        if (
-            not fired
-            and frame is not None
-            and frame.f_code.co_filename == driver
-            and frame.f_code.co_flags & inspect.CO_COROUTINE
-        ):
-            raise_interrupted(signum, frame)
+        # One-shot, armed again as the handler ends (``_woken_grant_rounds``): an
+        # interval timer starves the program once a handler outlasts its tick.
+        if fired:
+            return
+        try:
+            if (
+                frame is not None
+                and frame.f_code.co_filename == driver
+                and frame.f_code.co_flags & inspect.CO_COROUTINE
+            ):
+                raise_interrupted(signum, frame)
+        finally:
+            if _ticking and not fired:
+                signal.setitimer(signal.ITIMER_REAL, 0.00005)
 
     signal.signal(signal.SIGALRM, raise_in_the_driver)
     gc.freeze()
@@ -867,13 +874,14 @@ def _interrupted_async_attempts(resource: str, urls: list[str], wait: float) -> 
         gc.collect()
         fired.clear()
         try:
-            signal.setitimer(signal.ITIMER_REAL, 0.00005, 0.00005)
+            _ticking.append(True)
+            signal.setitimer(signal.ITIMER_REAL, 0.00005)
             asyncio.run(_arefused_until(waiter, fired, wait))
             swallowed.append(fired[0])  # fired, yet aacquire() returned
         except _Interrupted:
             pass
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            _stop_ticks()
     return swallowed
 
 
@@ -1069,15 +1077,16 @@ def _woken_grant_rounds(
     return landed, wrong
 
 
-#: Set while ``_woken_grant_rounds`` ticks: its handler arms the timer again only
+#: Set while a sweep with a one-shot timer (``_woken_grant_rounds``,
+#: ``_interrupted_async_attempts``) ticks: its handler arms the timer again only
 #: then, so ``_stop_ticks`` ends the ticks even when one already delivered runs
 #: its handler after the timer was disarmed.
 _ticking: list[bool] = []
 
 
 def _stop_ticks() -> None:
-    """Stop the ticks of ``_woken_grant_rounds`` (a round's attempt, once it got
-    its answer: no shot lands in its release)."""
+    """Stop the ticks of a one-shot sweep (in ``_woken_grant_rounds``, a round's
+    attempt once it got its answer: no shot lands in its release)."""
     _ticking.clear()
     signal.setitimer(signal.ITIMER_REAL, 0)
 

@@ -1021,14 +1021,23 @@ def _reader_start_interrupted(urls: list[str]) -> tuple[str, int, float]:
     creation = _thread_creation_line()
     start_code = threading.Thread.start.__code__
 
+    ticking: list[bool] = []
+
     def raise_in_reader_start(signum: int, frame: Any) -> None:
-        if (
+        # One-shot, armed again as the handler ends while ``ticking``: ticks of an
+        # interval timer starve the program once a handler outlasts one (a slower
+        # machine, Python 3.13: test_holds' woken-grant sweeps did).
+        shot = (
             frame is not None
             and frame.f_code is start_code
             and frame.f_lineno < creation
             and isinstance(frame.f_locals.get("self"), Reader)
-        ):
+        )
+        if shot:
+            ticking.clear()
             raise _Interrupted("interrupted by a signal handler")
+        if ticking:
+            signal.setitimer(signal.ITIMER_REAL, 0.00002)
 
     signal.signal(signal.SIGALRM, raise_in_reader_start)
     for round_ in range(200):
@@ -1042,11 +1051,13 @@ def _reader_start_interrupted(urls: list[str]) -> tuple[str, int, float]:
         assert holder.acquire(blocking=False)
         waiter = Redlock("wl:reader-start", retry_delay=SLOW_RETRY, **config)
         try:
-            signal.setitimer(signal.ITIMER_REAL, 0.00002, 0.00002)
+            ticking.append(True)
+            signal.setitimer(signal.ITIMER_REAL, 0.00002)
             waiter.acquire(timeout=0.02)
         except _Interrupted:
             break
         finally:
+            ticking.clear()
             signal.setitimer(signal.ITIMER_REAL, 0)
         holder.release()
     else:
