@@ -5,7 +5,8 @@ configures Django itself, and measures:
 
 * uncontended acquire + release of a fresh key (cycles/s, p50/p99 latency) on 1, 3,
   5 and 7 nodes for the raw floor (``SET NX PX`` then a compare-and-delete script,
-  every node written before any reply is read, over raw sockets), redlock_django
+  every node written before any reply is read, over raw sockets), the same floor
+  running redlock_django's own acquire and release scripts, redlock_django
   (default settings, and with ``fencing=True``; on 1 and 5 nodes also a lock built
   with an explicit ``nodes=[...]`` list) and pottery's ``Redlock``; on one
   node also redis-py's ``Lock``, django-redis' ``cache.lock`` and python-redis-lock.
@@ -151,6 +152,60 @@ class RawFloor:
             node.close()
 
 
+class ScriptFloor(RawFloor):
+    """The raw floor running redlock_django's own scripts: ``ACQUIRE_SCRIPT`` by
+    EVALSHA with a token and holder metadata like the library's, then
+    ``RELEASE_SCRIPT`` by EVAL (as the library releases).
+
+    The same raw sockets and no Python beyond the floor's: its ratio to the raw
+    floor is what the lock's data model costs the nodes, and the library's ratio
+    to it what the client's Python costs.
+    """
+
+    def __init__(self, ports: Sequence[int]) -> None:
+        from redlock_django import meta
+        from redlock_django.scripts import ACQUIRE_SCRIPT, RELEASE_SCRIPT
+
+        super().__init__(ports)
+        self.acquire_head = b"EVALSHA", ACQUIRE_SCRIPT.sha.encode(), b"1"
+        self.release_head = b"EVAL", RELEASE_SCRIPT.source.encode(), b"1"
+        self.ttl = str(TTL_MS).encode()
+        self.meta = meta.encode("bench", TTL_MS / 1000, "").encode()
+
+    def _load(self) -> str:
+        """Load the acquire script on every node (releases go by EVAL)."""
+        from redlock_django.scripts import ACQUIRE_SCRIPT
+
+        for node in self.nodes:
+            node.send(_resp("SCRIPT", "LOAD", ACQUIRE_SCRIPT.source))
+            header = node.line()  # $40
+            assert header.startswith(b"$"), header
+            node.line()
+        return ACQUIRE_SCRIPT.sha
+
+    def try_acquire(self, key: bytes, token: bytes) -> bool:
+        command = _resp(*self.acquire_head, key, token, self.ttl, self.meta)
+        for node in self.nodes:
+            node.send(command)
+        granted = sum(node.line() == b":0" for node in self.nodes)
+        return granted >= self.quorum
+
+    def release(self, key: bytes, token: bytes) -> None:
+        command = _resp(*self.release_head, key, token, b"bench-release")
+        for node in self.nodes:
+            node.send(command)
+        for node in self.nodes:
+            node.line()
+
+    def cycle(self, key: str) -> None:
+        # A token as the library's (``lock.TOKEN_BYTES``), then ".<attempt>".
+        token = secrets.token_urlsafe(20).encode() + b".1"
+        raw = key.encode()
+        if not self.try_acquire(raw, token):
+            raise RuntimeError(f"the floor could not take the fresh key {key!r}")
+        self.release(raw, token)
+
+
 # --- the contestants ----------------------------------------------------------------
 
 
@@ -180,6 +235,11 @@ class Contestant:
 
 def setup_floor(ports: Sequence[int], urls: Sequence[str]) -> Any:
     floor = RawFloor(ports)
+    return floor.cycle, floor.close
+
+
+def setup_script_floor(ports: Sequence[int], urls: Sequence[str]) -> Any:
+    floor = ScriptFloor(ports)
     return floor.cycle, floor.close
 
 
@@ -283,6 +343,7 @@ def _installed(module: str) -> bool:
 def contestants() -> list[Contestant]:
     made = [
         Contestant("raw floor", NODE_COUNTS, setup_floor),
+        Contestant("raw floor, our scripts", NODE_COUNTS, setup_script_floor),
         Contestant("redlock_django", NODE_COUNTS, _setup_redlock(fencing=False)),
         Contestant("redlock_django fencing", NODE_COUNTS, _setup_redlock(fencing=True)),
         Contestant("redlock_django nodes=[...]", (1, 5), setup_explicit_nodes),
@@ -373,6 +434,10 @@ PAIRS = (
     ("redlock_django", "pottery Redlock", 5),
     ("redlock_django", "redis-py Lock", 1),
     ("redlock_django nodes=[...]", "redlock_django", 5),
+    # Not targets: where the gap to the floor is, nodes (the scripts) or client.
+    ("raw floor, our scripts", "raw floor", 5),
+    ("redlock_django", "raw floor, our scripts", 5),
+    ("redlock_django", "raw floor, our scripts", 1),
 )
 
 
