@@ -7,6 +7,14 @@ resources cost five connections, not five thousand. One thread reads all of them
 (``readers.py``). Blocking waiters are woken through a ``threading.Event``,
 asyncio waiters through their loop, so one reader serves both APIs.
 
+A release that names nobody (a barging lock's) wakes one waiter of each process:
+the first of the process's waiters on that lock that is not already woken. Woken
+all, each would make an attempt on every node, and one at most can win: with
+tens of waiting threads or tasks in a process, the attempts would crowd out the
+holder. The woken waiter's attempt, won or failed, keeps the hand-on going: its
+release wakes the next, its failure leaves it first for the next release; one
+that stops waiting before it saw its wake-up passes it on (``Hub.unwatch``).
+
 A release of a fair lock names the next waiter, and publishes that name on a
 channel of the waiter's process alone (``process_tag``; the waiter's queue id
 carries the tag): the other processes waiting for the lock are not disturbed by
@@ -91,9 +99,15 @@ class _Watch:
         #: A release's hand-off to this waiter: node index -> the message's
         #: details, set before the wake-up that delivers it.
         self.handed: dict[int, str] | None = None
+        #: Set when a release naming nobody woke this waiter alone of its
+        #: process, until its wait returns: one that stops watching before
+        #: then passes the wake-up on (``Hub.unwatch``).
+        self.pending = False
 
     def _woken(self, woken: bool) -> Any:
         """What a wait returns: the hand-off if one came with the wake-up."""
+        if woken:
+            self.pending = False
         handed, self.handed = self.handed, None
         return handed if woken and handed else woken
 
@@ -157,7 +171,9 @@ class Hub:
     def __init__(self, pools: Sequence[redis.ConnectionPool]) -> None:
         self.pools = tuple(pools)
         self._lock = threading.Lock()
-        self._watches: dict[bytes, set[_Watch]] = {}
+        #: channel -> its watches, in the order they started (a dict as an
+        #: ordered set): a release naming nobody wakes the first one free
+        self._watches: dict[bytes, dict[_Watch, None]] = {}
         #: channel -> monotonic time its last waiter left
         self._idle: dict[bytes, float] = {}
         #: channel -> release id -> per waiter named (b"" for none), the nodes
@@ -198,7 +214,7 @@ class Hub:
         reader: Reader | None = None
         try:
             with self._lock:
-                self._watches.setdefault(channel, set()).add(watch)
+                self._watches.setdefault(channel, {})[watch] = None
                 self._idle.pop(channel, None)
                 last = self._last.get(channel)
                 if since is not None and last is not None and last[0] > since:
@@ -258,11 +274,16 @@ class Hub:
     def unwatch(self, watch: _Watch) -> None:
         """Stop waking ``watch``; its channel lingers subscribed for a while.
 
-        A second call does nothing: a caller interrupted in here (a signal
-        handler's exception) calls it again, or the watch would stay a waiter
-        this process counts for good.
+        A watch woken alone for a release that names nobody, that stops before
+        its wait returned (cancelled, interrupted, or granted by an attempt
+        already under way), passes the wake-up on to the next waiter of the
+        channel, which would otherwise sleep out its retry delay with the lock
+        maybe free. A second call does nothing: a caller interrupted in here (a
+        signal handler's exception) calls it again, or the watch would stay a
+        waiter this process counts for good.
         """
         channel = watch.channel
+        passed: _Watch | None = None
         with self._lock:
             watches = self._watches.get(channel)
             if watches is None or watch not in watches:
@@ -270,10 +291,17 @@ class Hub:
                     del self._watches[channel]  # a watch() interrupted before add
                 return
             if len(watches) > 1:
-                watches.discard(watch)
-                return
-            del self._watches[channel]  # the watch and its channel in one step
-            self._idle[channel] = time.monotonic()
+                del watches[watch]
+                if watch.pending:
+                    watch.pending = False
+                    passed = _first_free(watches)
+                    if passed is not None:
+                        passed.pending = True
+            else:
+                del self._watches[channel]  # the watch and its channel in one step
+                self._idle[channel] = time.monotonic()
+        if passed is not None:
+            passed.fire()
 
     def waiting(self, channel: bytes) -> int:
         """How many waiters of this process watch ``channel``."""
@@ -388,11 +416,19 @@ class Hub:
                 self._last[channel] = (now, b"")
             for name in names - {b""}:
                 self._called[name] = now
+            # A release naming nobody (a barging lock's) wakes one waiter of
+            # this process, the first to start waiting that is not woken yet:
+            # each would make an attempt on every node, and one at most can
+            # win. Its failed attempt leaves it first for the next release.
+            channel_watches = self._watches.get(channel, {})
             watches = [
-                w
-                for w in self._watches.get(channel, ())
-                if b"" in names or w.waiter in names
+                w for w in channel_watches if w.waiter is not None and w.waiter in names
             ]
+            if b"" in names:
+                first = _first_free(channel_watches)
+                if first is not None and first not in watches:
+                    first.pending = True
+                    watches.append(first)
             for name in names:
                 handed = self._handed.pop((channel, release, name), None)
                 for watch in watches:
@@ -448,6 +484,11 @@ def watching() -> int:
         for found in list(_hubs.values())
         for watches in list(found._watches.values())
     )
+
+
+def _first_free(watches: dict[_Watch, None]) -> _Watch | None:
+    """The first of ``watches`` not already woken alone (``_Watch.pending``)."""
+    return next((w for w in watches if not w.pending), None)
 
 
 _hubs: dict[tuple[int, int], Hub] = {}

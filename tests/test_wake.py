@@ -9,6 +9,7 @@ without a release, as on expiry) shows the timed fallback taking over.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import resource
@@ -459,6 +460,105 @@ def test_waiters_of_one_process_sharing_its_connections_are_each_woken(
     assert results == [True] * len(names)
     for got in acquisitions[-len(names) :]:
         assert got["wakeups"] == got["attempts"] - 1 >= 1, got
+
+
+@pytest.mark.parametrize("mode", ["threads", "tasks"])
+def test_a_release_wakes_one_waiter_of_a_process_not_all(
+    redlock_settings: dict[str, Any],
+    acquisitions: list[dict[str, Any]],
+    mode: str,
+) -> None:
+    """Six waiters of one process on one (barging) lock, each acquiring and at once
+    releasing: each release wakes one of them, which takes the lock, and its
+    release the next. Woken all at once, five of them would make an attempt
+    on every node that cannot win, at every release (27 attempts in all, the
+    last waiter's 7); one at a time, each makes its first attempt, perhaps one
+    when its subscription is confirmed, and the one it wins with."""
+    count, resource = 6, "wake:herd"
+    holder = Redlock(resource)
+    assert holder.acquire(blocking=False)
+    results: list[bool] = []
+
+    def take() -> None:
+        lock = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
+        results.append(lock.acquire(timeout=20))
+        lock.release()
+
+    async def atakes() -> None:
+        async def atake() -> None:
+            lock = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
+            results.append(await lock.aacquire(timeout=20))
+            await lock.arelease()
+
+        await asyncio.gather(*(atake() for _ in range(count)))
+
+    if mode == "threads":
+        threads = [threading.Thread(target=take) for _ in range(count)]
+    else:
+        threads = [threading.Thread(target=asyncio.run, args=(atakes(),))]
+    for thread in threads:
+        thread.start()
+    hub = wake_hub()
+    channel = holder._resolve().spec.key.encode()
+    wait_for(lambda: hub.waiting(channel) == count, "every waiter waits")
+    wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
+    time.sleep(0.05)  # the other nodes' confirmations, and their early retries
+    holder.release()
+    for thread in threads:
+        thread.join(25)
+    assert results == [True] * count, "a waiter slept out its retry delay"
+    tries = [got["attempts"] for got in acquisitions[-count:]]
+    assert max(tries) <= 3, f"attempts per waiter {tries}: woken more than once"
+    assert all(got["wakeups"] >= 1 for got in acquisitions[-count:])
+
+
+def test_a_waiter_woken_alone_that_stops_waiting_passes_the_wake_up_on(
+    redlock_settings: dict[str, Any], acquisitions: list[dict[str, Any]]
+) -> None:
+    """The first of two waiters of one process, an asyncio task, is woken alone by
+    a release and cancelled before its wait saw the wake-up (its loop was busy):
+    the other waiter, a thread, is woken in its place instead of sleeping out
+    its 30 s retry delay with the lock free."""
+    resource = "wake:passed-on"
+    holder = Redlock(resource)
+    assert holder.acquire(blocking=False)
+    hub = wake_hub()
+    channel = holder._resolve().spec.key.encode()
+    loop = asyncio.new_event_loop()
+    looping = threading.Thread(target=loop.run_forever)
+    looping.start()
+    first = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
+    task = asyncio.run_coroutine_threadsafe(first.aacquire(timeout=20), loop)
+    try:
+        wait_for(lambda: hub.waiting(channel) == 1, "the task waits")
+        results: list[bool] = []
+
+        def take() -> None:
+            second = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
+            results.append(second.acquire(timeout=20))
+            second.release()
+
+        thread = threading.Thread(target=take)
+        thread.start()
+        wait_for(lambda: hub.waiting(channel) == 2, "the thread waits too")
+        wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
+        time.sleep(0.05)  # the other nodes' confirmations, and their early retries
+        busy = threading.Event()
+        # The task's loop blocked, then its cancellation queued ahead of the
+        # wake-up the release is about to send it.
+        loop.call_soon_threadsafe(lambda: (busy.set(), time.sleep(0.5)))
+        busy.wait(5)
+        loop.call_soon_threadsafe(task.cancel)
+        holder.release()
+        thread.join(15)
+        assert results == [True], "the thread slept out its retry delay"
+        assert acquisitions[-1]["wakeups"] >= 1
+        with pytest.raises(concurrent.futures.CancelledError):
+            task.result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        looping.join(10)
+        loop.close()
 
 
 #: A thread stack no address space can map: starting a thread then fails with
