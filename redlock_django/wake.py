@@ -355,8 +355,9 @@ class Hub:
     def deliver(self, channel: bytes, message: bytes, index: int) -> None:
         """Node ``index`` published ``message``: wake waiters once per release.
 
-        The message is ``<release id>`` or, from a fair lock, ``<release id>
-        <waiter>``: then only that waiter is woken (the others keep sleeping). A
+        The message is ``<release id>`` (then the first waiter of this process
+        not yet woken is woken, the others keep sleeping) or, from a fair lock,
+        ``<release id> <waiter>``: then only that waiter is woken. A
         release that handed the lock to the waiter adds the details
         (``protocol._handed``), which reach the waiter with its wake-up.
         Once, when a majority of the nodes reported it (or every node subscribed,
