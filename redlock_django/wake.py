@@ -11,7 +11,7 @@ A release that names nobody (a barging lock's) wakes one waiter of each process:
 the first of the process's waiters on that lock that is not already woken. Woken
 all, each would make an attempt on every node, and one at most can win: with
 tens of waiting threads or tasks in a process, the attempts would crowd out the
-holder. The woken waiter's attempt, won or failed, keeps the hand-on going: its
+holder. The woken waiter's attempt keeps the others going, won or failed: its
 release wakes the next, its failure leaves it first for the next release; one
 that stops waiting before it saw its wake-up passes it on (``Hub.unwatch``).
 
