@@ -105,8 +105,15 @@ class _Watch:
         self.pending = False
 
     def _woken(self, woken: bool) -> Any:
-        """What a wait returns: the hand-off if one came with the wake-up."""
-        if woken:
+        """What a wait returns: the hand-off if one came with the wake-up.
+
+        A watch still ``pending`` was woken alone, so its wait was, though it
+        timed out and cleared the event (the wake-up landing between the wait's
+        last look and the clearing): else it would stay pending, skipped by
+        every later release, for the rest of its acquisition.
+        """
+        if woken or self.pending:
+            woken = True
             self.pending = False
         handed, self.handed = self.handed, None
         return handed if woken and handed else woken

@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -1098,3 +1099,90 @@ def test_a_waiter_interrupted_while_starting_the_reader_leaves_wake_ups_working(
     outcome, rounds, took = report.value
     assert outcome == "acquired", (outcome, rounds)
     assert took < 2.0, f"the next waiter was woken after {took:.2f} s (release: 0.2 s)"
+
+
+def _wake_up_lost_to_a_timed_out_wait(urls: list[str]) -> tuple[str, float]:
+    """In a forked child: a release's wake-up reaches a barging lock's only waiter
+    of the process (the main thread) just as its timed wait ends, between the
+    wait's last look at its event and the clearing of it. Then the holder takes
+    the lock again, and releases it 0.3 s later, for good. Return whether that
+    moment came and how long after the last release the waiter acquired (its
+    retry delay is 1 s).
+
+    The waiter is paused at that moment as a debugger's breakpoint would pause
+    it: a trace function (``sys.settrace``) sees the call of the event's
+    ``clear()`` from a wait that timed out, and holds the thread there while the
+    holder releases and the reader thread delivers the release."""
+    resource = "wl:timeout-race"
+    config: dict[str, Any] = {"nodes": urls}
+    holding, release_now, retaken = (threading.Event() for _ in range(3))
+    last_release: list[float] = []
+
+    def hold() -> None:  # a lock is released by the thread holding it
+        holder = Redlock(resource, **config)
+        assert holder.acquire(blocking=False)
+        holding.set()
+        if release_now.wait(30):
+            holder.release()
+            assert holder.acquire(timeout=5)  # barges in while the waiter is held
+            retaken.set()
+            time.sleep(0.3)
+        last_release.append(time.monotonic())
+        holder.release()
+
+    clear_code = threading.Event.clear.__code__
+    wait_code = wake.SyncWatch.wait.__code__
+    paused: list[bool] = []
+
+    def breakpoint_(frame: Any, event: str, arg: Any) -> None:
+        if paused or event != "call" or frame.f_code is not clear_code:
+            return None
+        waiting = frame.f_back
+        if waiting is None or waiting.f_code is not wait_code:
+            return None
+        if waiting.f_locals.get("woken") is not False:
+            return None
+        paused.append(True)
+        release_now.set()
+        retaken.wait(10)
+        # The release's messages reach this process's reader meanwhile, and it
+        # wakes the waiter: the one waiter of the process free to wake.
+        time.sleep(0.2)
+        return None
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(10)
+    waiter = Redlock(resource, retry_delay=1.0, retry_jitter=0, **config)
+    sys.settrace(breakpoint_)
+    try:
+        got = waiter.acquire(timeout=20)
+    finally:
+        sys.settrace(None)
+        release_now.set()
+        holder.join(10)
+    acquired = time.monotonic()
+    if got:
+        waiter.release()
+    if not paused:
+        return "never paused", 0.0
+    return ("acquired" if got else "timed out"), acquired - last_release[0]
+
+
+def test_a_wake_up_that_races_the_end_of_a_timed_wait_is_not_lost_for_good(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A release naming nobody wakes the first waiter of the process not already
+    woken. The wake-up reached a waiter whose wait had just timed out, between its
+    last look at the event and the clearing of it: the clearing erased the
+    wake-up, and the waiter stayed "woken, not yet seen" for the rest of its wait,
+    so every later release of that lock skipped it (and, with no other waiter in
+    the process, woke nobody): it acquired only by its timer, 1 s after the lock
+    was freed."""
+    report = in_forked_child(
+        functools.partial(_wake_up_lost_to_a_timed_out_wait, nodes.urls), 90
+    )
+    assert report.outcome == "done", report
+    outcome, lag = report.value
+    assert outcome == "acquired", outcome
+    assert lag < 0.45, f"acquired {lag:.2f} s after the release (retry delay: 1 s)"
