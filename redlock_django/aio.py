@@ -414,6 +414,8 @@ async def run(
                     reply = await complete(fanout(clients, step, timeout))
                 else:
                     reply = await fanout(clients, step, timeout)
+                    if watch is not None and hub is not None:
+                        hub.attempted(watch)
             except BaseException as exc:
                 # As in ``sync.run``: a signal handler's exception that landed in
                 # the standard library (threading, asyncio) and made it raise an

@@ -620,6 +620,8 @@ def _steps(
         pending = None
         if not isinstance(step, Sleep):
             reply = fanout(pools, step, timeout)
+            if watching and hub is not None and not step.critical:
+                hub.attempted(watching[0])
             continue
         reply = None
         if step.wake is None or hub is None:

@@ -13,7 +13,8 @@ all, each would make an attempt on every node, and one at most can win: with
 tens of waiting threads or tasks in a process, the attempts would crowd out the
 holder. The woken waiter's attempt keeps the others going, won or failed: its
 release wakes the next, its failure leaves it first for the next release; one
-that stops waiting before it saw its wake-up passes it on (``Hub.unwatch``).
+that stops before its attempt was answered passes the wake-up on
+(``Hub.unwatch``).
 
 A release of a fair lock names the next waiter, and publishes that name on a
 channel of the waiter's process alone (``process_tag``; the waiter's queue id
@@ -100,21 +101,24 @@ class _Watch:
         #: details, set before the wake-up that delivers it.
         self.handed: dict[int, str] | None = None
         #: Set when a release naming nobody woke this waiter alone of its
-        #: process, until its wait returns: one that stops watching before
-        #: then passes the wake-up on (``Hub.unwatch``).
+        #: process, until the attempt that follows the wake-up is answered
+        #: (``Hub.attempted``): one that stops watching before then passes the
+        #: wake-up on (``Hub.unwatch``), and later releases wake another.
         self.pending = False
+        #: How many such wake-ups it was given, and how many of them its last
+        #: wait had seen: one given since then is not used up by that attempt.
+        self.given = 0
+        self.seen = 0
 
     def _woken(self, woken: bool) -> Any:
         """What a wait returns: the hand-off if one came with the wake-up.
 
-        A watch still ``pending`` was woken alone, so its wait was, though it
-        timed out and cleared the event (the wake-up landing between the wait's
-        last look and the clearing): else it would stay pending, skipped by
-        every later release, for the rest of its acquisition.
+        A watch ``pending`` was woken alone, so its wait was, though it timed out
+        and cleared the event (the wake-up landing between the wait's last look
+        and the clearing): the attempt that follows uses the wake-up up.
         """
-        if woken or self.pending:
-            woken = True
-            self.pending = False
+        self.seen = self.given
+        woken = woken or self.pending
         handed, self.handed = self.handed, None
         return handed if woken and handed else woken
 
@@ -282,12 +286,13 @@ class Hub:
         """Stop waking ``watch``; its channel lingers subscribed for a while.
 
         A watch woken alone for a release that names nobody, that stops before
-        its wait returned (cancelled, interrupted, or granted by an attempt
-        already under way), passes the wake-up on to the next waiter of the
-        channel, which would otherwise sleep out its retry delay with the lock
-        maybe free. A second call does nothing: a caller interrupted in here (a
-        signal handler's exception) calls it again, or the watch would stay a
-        waiter this process counts for good.
+        the attempt that follows was answered (cancelled or interrupted while it
+        waited or attempted, or granted by an attempt already under way), passes
+        the wake-up on to the next waiter of the channel, which would otherwise
+        sleep out its retry delay with the lock maybe free. A second call does
+        nothing: a caller interrupted in here (a signal handler's exception)
+        calls it again, or the watch would stay a waiter this process counts
+        for good.
         """
         channel = watch.channel
         passed: _Watch | None = None
@@ -304,11 +309,20 @@ class Hub:
                     passed = _first_free(watches)
                     if passed is not None:
                         passed.pending = True
+                        passed.given += 1
             else:
                 del self._watches[channel]  # the watch and its channel in one step
                 self._idle[channel] = time.monotonic()
         if passed is not None:
             passed.fire()
+
+    def attempted(self, watch: _Watch) -> None:
+        """An attempt of ``watch``'s waiter was answered: the wake-up it was
+        given alone, if any, is used up, unless another came since its wait."""
+        if watch.pending:
+            with self._lock:
+                if watch.given == watch.seen:
+                    watch.pending = False
 
     def waiting(self, channel: bytes) -> int:
         """How many waiters of this process watch ``channel``."""
@@ -436,6 +450,7 @@ class Hub:
                 first = _first_free(channel_watches)
                 if first is not None and first not in watches:
                     first.pending = True
+                    first.given += 1
                     watches.append(first)
             for name in names:
                 handed = self._handed.pop((channel, release, name), None)

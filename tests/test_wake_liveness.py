@@ -8,6 +8,7 @@ Bounds are generous (a 2-core host shared with other test runs).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import inspect
@@ -1186,3 +1187,201 @@ def test_a_wake_up_that_races_the_end_of_a_timed_wait_is_not_lost_for_good(
     outcome, lag = report.value
     assert outcome == "acquired", outcome
     assert lag < 0.45, f"acquired {lag:.2f} s after the release (retry delay: 1 s)"
+
+
+def _woken_waiter_interrupted_in_its_attempt() -> tuple[str, str, float]:
+    """In a forked child: two waiters of one process on a barging lock, the main
+    thread first, then a thread (30 s retry delay). The release wakes the main
+    thread alone; it is interrupted as its attempt starts (an exception raised
+    there, as a signal handler's would be: a Celery soft time limit). Return how
+    each acquisition ended and how long after the release the thread acquired.
+
+    The exception comes from a trace function (``sys.settrace``): it sees the
+    main thread's wait return woken, then the call of the attempt's fan-out."""
+    from redlock_django import sync
+
+    resource = "wl:woken-interrupted"
+    hub = wake_hub()
+    holding, release_now = threading.Event(), threading.Event()
+    released: list[float] = []
+    second: list[tuple[bool, float]] = []
+
+    def hold() -> None:  # a lock is released by the thread holding it
+        with Redlock(resource):
+            holding.set()
+            release_now.wait(30)
+            released.append(time.monotonic())
+
+    def take() -> None:
+        lock = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
+        got = lock.acquire(timeout=20)
+        second.append((got, time.monotonic()))
+        if got:
+            lock.release()
+
+    def orchestrate() -> None:
+        channel = Redlock(resource)._resolve().spec.key.encode()
+        wait_for(lambda: hub.waiting(channel) == 1, "the main thread waits")
+        threading.Thread(target=take).start()
+        wait_for(lambda: hub.waiting(channel) == 2, "the thread waits too")
+        wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
+        time.sleep(0.05)  # the other nodes' confirmations, and their early retries
+        release_now.set()
+
+    wait_code = wake.SyncWatch.wait.__code__
+    fanout_code = sync.fanout.__code__
+    woken: list[bool] = []
+    raised: list[bool] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if raised:
+            return None
+        if frame.f_code is wait_code:
+            if event == "return" and arg and release_now.is_set():
+                woken.append(True)  # the release ended the wait
+            return trace  # to see the wait return
+        if event == "call" and frame.f_code is fanout_code and woken:
+            raised.append(True)
+            raise _Interrupted("interrupted as the woken attempt starts")
+        return None
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(10)
+    threading.Thread(target=orchestrate).start()
+    first = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
+    sys.settrace(trace)
+    try:
+        outcome = "acquired" if first.acquire(timeout=20) else "timed out"
+    except _Interrupted:
+        outcome = "interrupted"
+    finally:
+        sys.settrace(None)
+        release_now.set()
+        holder.join(10)
+    deadline = time.monotonic() + 25
+    while not second and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not second:
+        return outcome, "still waiting", 0.0
+    got, at = second[0]
+    return outcome, ("acquired" if got else "timed out"), at - released[0]
+
+
+def test_a_waiter_woken_alone_and_interrupted_in_its_attempt_passes_the_wake_up_on(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A release naming nobody wakes one waiter of the process. That waiter saw
+    its wake-up, then was interrupted as its attempt started (a signal handler's
+    exception): the wake-up must go to the process's next waiter, which would
+    otherwise sleep out its 30 s retry delay with the lock free. (A waiter
+    cancelled before its wait saw the wake-up already passed it on.)"""
+    report = in_forked_child(_woken_waiter_interrupted_in_its_attempt, 60)
+    assert report.outcome == "done", report
+    first, second, lag = report.value
+    assert first == "interrupted", first
+    assert second == "acquired", second
+    assert lag < 2.0, f"the next waiter acquired {lag:.2f} s after the release"
+
+
+def _woken_task_cancelled_in_its_attempt() -> tuple[str, str, float]:
+    """In a forked child: an asyncio task and a thread (30 s retry delay) wait, in
+    that order, for a barging lock. The release wakes the task alone; it is
+    cancelled as its attempt starts. Return how each acquisition ended and how
+    long after the release the thread acquired.
+
+    The cancellation comes from a trace function (``sys.settrace``) on the loop's
+    thread: it sees the task's wait return woken, then the start of the attempt's
+    fan-out, and cancels the task there."""
+    from redlock_django import aio
+
+    resource = "wl:woken-cancelled"
+    hub = wake_hub()
+    holding, release_now = threading.Event(), threading.Event()
+    released: list[float] = []
+    second: list[tuple[bool, float]] = []
+
+    def hold() -> None:  # a lock is released by the thread holding it
+        with Redlock(resource):
+            holding.set()
+            release_now.wait(30)
+            released.append(time.monotonic())
+
+    def take() -> None:
+        lock = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
+        got = lock.acquire(timeout=20)
+        second.append((got, time.monotonic()))
+        if got:
+            lock.release()
+
+    wait_code = wake.AsyncWatch.wait.__code__
+    fanout_code = aio.fanout.__code__
+    woken: list[bool] = []
+    cancelled: list[bool] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if cancelled:
+            return None
+        if frame.f_code is wait_code:
+            # A suspended coroutine "returns" what it awaits; its own return is
+            # True (or a hand-off) when a wake-up ended the wait.
+            woken_now = arg is True or type(arg) is dict
+            if event == "return" and woken_now and release_now.is_set():
+                woken.append(True)
+            return trace
+        if event == "call" and frame.f_code is fanout_code and woken:
+            task = asyncio.current_task()
+            if task is not None:
+                cancelled.append(True)
+                task.cancel()
+        return None
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(10)
+    loop = asyncio.new_event_loop()
+    looping = threading.Thread(target=loop.run_forever)
+    looping.start()
+    loop.call_soon_threadsafe(sys.settrace, trace)
+    first = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
+    task = asyncio.run_coroutine_threadsafe(first.aacquire(timeout=20), loop)
+    try:
+        channel = first._resolve().spec.key.encode()
+        wait_for(lambda: hub.waiting(channel) == 1, "the task waits")
+        thread = threading.Thread(target=take)
+        thread.start()
+        wait_for(lambda: hub.waiting(channel) == 2, "the thread waits too")
+        wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
+        time.sleep(0.05)  # the other nodes' confirmations, and their early retries
+        release_now.set()
+        try:
+            outcome = "acquired" if task.result(20) else "timed out"
+        except concurrent.futures.CancelledError:
+            outcome = "cancelled"
+        thread.join(25)
+    finally:
+        release_now.set()
+        holder.join(10)
+        loop.call_soon_threadsafe(sys.settrace, None)
+        loop.call_soon_threadsafe(loop.stop)
+        looping.join(10)
+        loop.close()
+    if not second:
+        return outcome, "still waiting", 0.0
+    got, at = second[0]
+    return outcome, ("acquired" if got else "timed out"), at - released[0]
+
+
+def test_an_asyncio_waiter_woken_alone_and_cancelled_in_its_attempt_passes_it_on(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The asyncio side of the interrupted attempt above: a task woken alone by a
+    release is cancelled once its wait returned, as its attempt starts (a
+    request's timeout, a client gone); the process's next waiter, a thread, is
+    woken in its place instead of sleeping out its 30 s retry delay."""
+    report = in_forked_child(_woken_task_cancelled_in_its_attempt, 60)
+    assert report.outcome == "done", report
+    first, second, lag = report.value
+    assert first == "cancelled", first
+    assert second == "acquired", second
+    assert lag < 2.0, f"the next waiter acquired {lag:.2f} s after the release"
