@@ -1189,6 +1189,51 @@ def test_a_wake_up_that_races_the_end_of_a_timed_wait_is_not_lost_for_good(
     assert lag < 0.45, f"acquired {lag:.2f} s after the release (retry delay: 1 s)"
 
 
+class _HeldWithAThreadBehind:
+    """A barging lock held by a thread until ``release_now`` is set, and a second
+    waiter, a thread with a 30 s retry delay, once ``start_second()`` is called."""
+
+    def __init__(self, resource: str) -> None:
+        self.resource = resource
+        self.holding, self.release_now = threading.Event(), threading.Event()
+        self.released: list[float] = []
+        self.second: list[tuple[bool, float]] = []
+        self.holder = threading.Thread(target=self._hold)
+        self.holder.start()
+        self.holding.wait(10)
+
+    def _hold(self) -> None:  # a lock is released by the thread holding it
+        with Redlock(self.resource):
+            self.holding.set()
+            self.release_now.wait(30)
+            self.released.append(time.monotonic())
+
+    def _take(self) -> None:
+        lock = Redlock(self.resource, retry_delay=SLOW_RETRY, retry_jitter=0)
+        got = lock.acquire(timeout=20)
+        self.second.append((got, time.monotonic()))
+        if got:
+            lock.release()
+
+    def start_second(self) -> threading.Thread:
+        thread = threading.Thread(target=self._take)
+        thread.start()
+        return thread
+
+    def report(self, first: str) -> tuple[str, str, float]:
+        """How the first waiter ended, how the second did, and how long after the
+        release the second acquired."""
+        self.release_now.set()
+        self.holder.join(10)
+        deadline = time.monotonic() + 25
+        while not self.second and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.second:
+            return first, "still waiting", 0.0
+        got, at = self.second[0]
+        return first, ("acquired" if got else "timed out"), at - self.released[0]
+
+
 def _woken_waiter_interrupted_in_its_attempt() -> tuple[str, str, float]:
     """In a forked child: two waiters of one process on a barging lock, the main
     thread first, then a thread (30 s retry delay). The release wakes the main
@@ -1202,27 +1247,13 @@ def _woken_waiter_interrupted_in_its_attempt() -> tuple[str, str, float]:
 
     resource = "wl:woken-interrupted"
     hub = wake_hub()
-    holding, release_now = threading.Event(), threading.Event()
-    released: list[float] = []
-    second: list[tuple[bool, float]] = []
-
-    def hold() -> None:  # a lock is released by the thread holding it
-        with Redlock(resource):
-            holding.set()
-            release_now.wait(30)
-            released.append(time.monotonic())
-
-    def take() -> None:
-        lock = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
-        got = lock.acquire(timeout=20)
-        second.append((got, time.monotonic()))
-        if got:
-            lock.release()
+    held = _HeldWithAThreadBehind(resource)
+    release_now = held.release_now
 
     def orchestrate() -> None:
         channel = Redlock(resource)._resolve().spec.key.encode()
         wait_for(lambda: hub.waiting(channel) == 1, "the main thread waits")
-        threading.Thread(target=take).start()
+        held.start_second()
         wait_for(lambda: hub.waiting(channel) == 2, "the thread waits too")
         wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
         time.sleep(0.05)  # the other nodes' confirmations, and their early retries
@@ -1245,9 +1276,6 @@ def _woken_waiter_interrupted_in_its_attempt() -> tuple[str, str, float]:
             raise _Interrupted("interrupted as the woken attempt starts")
         return None
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    holding.wait(10)
     threading.Thread(target=orchestrate).start()
     first = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
     sys.settrace(trace)
@@ -1258,14 +1286,7 @@ def _woken_waiter_interrupted_in_its_attempt() -> tuple[str, str, float]:
     finally:
         sys.settrace(None)
         release_now.set()
-        holder.join(10)
-    deadline = time.monotonic() + 25
-    while not second and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if not second:
-        return outcome, "still waiting", 0.0
-    got, at = second[0]
-    return outcome, ("acquired" if got else "timed out"), at - released[0]
+    return held.report(outcome)
 
 
 def test_a_waiter_woken_alone_and_interrupted_in_its_attempt_passes_the_wake_up_on(
@@ -1297,22 +1318,8 @@ def _woken_task_cancelled_in_its_attempt() -> tuple[str, str, float]:
 
     resource = "wl:woken-cancelled"
     hub = wake_hub()
-    holding, release_now = threading.Event(), threading.Event()
-    released: list[float] = []
-    second: list[tuple[bool, float]] = []
-
-    def hold() -> None:  # a lock is released by the thread holding it
-        with Redlock(resource):
-            holding.set()
-            release_now.wait(30)
-            released.append(time.monotonic())
-
-    def take() -> None:
-        lock = Redlock(resource, retry_delay=SLOW_RETRY, retry_jitter=0)
-        got = lock.acquire(timeout=20)
-        second.append((got, time.monotonic()))
-        if got:
-            lock.release()
+    held = _HeldWithAThreadBehind(resource)
+    release_now = held.release_now
 
     wait_code = wake.AsyncWatch.wait.__code__
     fanout_code = aio.fanout.__code__
@@ -1336,9 +1343,6 @@ def _woken_task_cancelled_in_its_attempt() -> tuple[str, str, float]:
                 task.cancel()
         return None
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    holding.wait(10)
     loop = asyncio.new_event_loop()
     looping = threading.Thread(target=loop.run_forever)
     looping.start()
@@ -1348,8 +1352,7 @@ def _woken_task_cancelled_in_its_attempt() -> tuple[str, str, float]:
     try:
         channel = first._resolve().spec.key.encode()
         wait_for(lambda: hub.waiting(channel) == 1, "the task waits")
-        thread = threading.Thread(target=take)
-        thread.start()
+        thread = held.start_second()
         wait_for(lambda: hub.waiting(channel) == 2, "the thread waits too")
         wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
         time.sleep(0.05)  # the other nodes' confirmations, and their early retries
@@ -1361,15 +1364,11 @@ def _woken_task_cancelled_in_its_attempt() -> tuple[str, str, float]:
         thread.join(25)
     finally:
         release_now.set()
-        holder.join(10)
         loop.call_soon_threadsafe(sys.settrace, None)
         loop.call_soon_threadsafe(loop.stop)
         looping.join(10)
         loop.close()
-    if not second:
-        return outcome, "still waiting", 0.0
-    got, at = second[0]
-    return outcome, ("acquired" if got else "timed out"), at - released[0]
+    return held.report(outcome)
 
 
 def test_an_asyncio_waiter_woken_alone_and_cancelled_in_its_attempt_passes_it_on(
