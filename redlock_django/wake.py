@@ -113,12 +113,13 @@ class _Watch:
     def _woken(self, woken: bool) -> Any:
         """What a wait returns: the hand-off if one came with the wake-up.
 
-        A watch ``pending`` was woken alone, so its wait was, though it timed out
-        and cleared the event (the wake-up landing between the wait's last look
-        and the clearing): the attempt that follows uses the wake-up up.
+        A watch ``pending`` (woken alone) or given a hand-off was woken, though
+        its wait timed out and cleared the event (the wake-up landing between
+        the wait's last look and the clearing): the attempt that follows uses a
+        pending wake-up up, and a hand-off is the waiter's grant.
         """
         self.seen = self.given
-        woken = woken or self.pending
+        woken = woken or self.pending or self.handed is not None
         handed, self.handed = self.handed, None
         return handed if woken and handed else woken
 

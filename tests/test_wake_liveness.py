@@ -1102,6 +1102,30 @@ def test_a_waiter_interrupted_while_starting_the_reader_leaves_wake_ups_working(
     assert took < 2.0, f"the next waiter was woken after {took:.2f} s (release: 0.2 s)"
 
 
+def _at_a_timed_out_wait_clearing(
+    pause: Callable[[], None], paused: list[bool]
+) -> Callable[..., None]:
+    """A trace function (``sys.settrace``) that, once, calls ``pause()`` where a
+    waiter's ``SyncWatch.wait`` that timed out (its event found unset) calls the
+    event's ``clear()``: a breakpoint, holding the waiter there meanwhile."""
+    clear_code = threading.Event.clear.__code__
+    wait_code = wake.SyncWatch.wait.__code__
+
+    def breakpoint_(frame: Any, event: str, arg: Any) -> None:
+        if paused or event != "call" or frame.f_code is not clear_code:
+            return None
+        waiting = frame.f_back
+        if waiting is None or waiting.f_code is not wait_code:
+            return None
+        if waiting.f_locals.get("woken") is not False:
+            return None
+        paused.append(True)
+        pause()
+        return None
+
+    return breakpoint_
+
+
 def _wake_up_lost_to_a_timed_out_wait(urls: list[str]) -> tuple[str, float]:
     """In a forked child: a release's wake-up reaches a barging lock's only waiter
     of the process (the main thread) just as its timed wait ends, between the
@@ -1131,31 +1155,19 @@ def _wake_up_lost_to_a_timed_out_wait(urls: list[str]) -> tuple[str, float]:
         last_release.append(time.monotonic())
         holder.release()
 
-    clear_code = threading.Event.clear.__code__
-    wait_code = wake.SyncWatch.wait.__code__
-    paused: list[bool] = []
-
-    def breakpoint_(frame: Any, event: str, arg: Any) -> None:
-        if paused or event != "call" or frame.f_code is not clear_code:
-            return None
-        waiting = frame.f_back
-        if waiting is None or waiting.f_code is not wait_code:
-            return None
-        if waiting.f_locals.get("woken") is not False:
-            return None
-        paused.append(True)
+    def pause() -> None:
         release_now.set()
         retaken.wait(10)
         # The release's messages reach this process's reader meanwhile, and it
         # wakes the waiter: the one waiter of the process free to wake.
         time.sleep(0.2)
-        return None
 
+    paused: list[bool] = []
     holder = threading.Thread(target=hold)
     holder.start()
     holding.wait(10)
     waiter = Redlock(resource, retry_delay=1.0, retry_jitter=0, **config)
-    sys.settrace(breakpoint_)
+    sys.settrace(_at_a_timed_out_wait_clearing(pause, paused))
     try:
         got = waiter.acquire(timeout=20)
     finally:
@@ -1187,6 +1199,67 @@ def test_a_wake_up_that_races_the_end_of_a_timed_wait_is_not_lost_for_good(
     outcome, lag = report.value
     assert outcome == "acquired", outcome
     assert lag < 0.45, f"acquired {lag:.2f} s after the release (retry delay: 1 s)"
+
+
+def _hand_off_lost_to_a_timed_out_wait(urls: list[str]) -> tuple[str, float]:
+    """In a forked child: a fair lock's release hands the lock to its one waiter
+    (the main thread) just as the waiter's wait ends to refresh its queue entry,
+    between the wait's last look at its event and the clearing of it. Return
+    whether that moment came and how long after the release the waiter acquired
+    (its next attempt is due 3 s after its last)."""
+    resource = "wl:fair-timeout-race"
+    config: dict[str, Any] = {"nodes": urls, "fair": True}
+    holding, release_now = threading.Event(), threading.Event()
+    released: list[float] = []
+
+    def hold() -> None:  # a lock is released by the thread holding it
+        with Redlock(resource, **config):
+            holding.set()
+            release_now.wait(30)
+            released.append(time.monotonic())
+
+    def pause() -> None:
+        release_now.set()
+        # The release hands the lock over; its messages reach this process's
+        # reader meanwhile, which gives the hand-off to the waiter it names.
+        time.sleep(0.2)
+
+    paused: list[bool] = []
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(10)
+    waiter = Redlock(resource, retry_delay=3.0, retry_jitter=0, **config)
+    sys.settrace(_at_a_timed_out_wait_clearing(pause, paused))
+    try:
+        got = waiter.acquire(timeout=20)
+    finally:
+        sys.settrace(None)
+        release_now.set()
+        holder.join(10)
+    acquired = time.monotonic()
+    if got:
+        waiter.release()
+    if not paused:
+        return "never paused", 0.0
+    return ("acquired" if got else "timed out"), acquired - released[0]
+
+
+def test_a_hand_off_that_races_the_end_of_a_timed_wait_is_not_dropped(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The fair side of the race above: a release handed the lock to the waiter it
+    named as the waiter's wait ended to refresh its queue entry, between the
+    wait's last look at the event and the clearing of it. The wait returned "not
+    woken" and dropped the hand-off that came with the wake-up, and the lock
+    handed to the waiter stayed unused until its next attempt, due 3 s after its
+    last, instead of being taken at once."""
+    report = in_forked_child(
+        functools.partial(_hand_off_lost_to_a_timed_out_wait, nodes.urls), 90
+    )
+    assert report.outcome == "done", report
+    outcome, lag = report.value
+    assert outcome == "acquired", outcome
+    assert lag < 1.0, f"acquired {lag:.2f} s after the release (next attempt: 3 s)"
 
 
 class _HeldWithAThreadBehind:
