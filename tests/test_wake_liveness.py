@@ -1126,6 +1126,36 @@ def _at_a_timed_out_wait_clearing(
     return breakpoint_
 
 
+def _acquire_held_at_the_clearing(
+    waiter: Redlock,
+    hold: Callable[[], None],
+    holding: threading.Event,
+    pause: Callable[[], None],
+) -> tuple[str, float]:
+    """Start ``hold`` in a thread, and once it holds, ``waiter.acquire()`` in this
+    thread with ``pause()`` run at the clearing of a timed-out wait
+    (``_at_a_timed_out_wait_clearing``). ``pause`` must let ``hold`` end. Return
+    how the acquisition ended and when (monotonic)."""
+    paused: list[bool] = []
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(10)
+    sys.settrace(_at_a_timed_out_wait_clearing(pause, paused))
+    try:
+        got = waiter.acquire(timeout=20)
+    finally:
+        sys.settrace(None)
+        if not paused:
+            pause()  # the holder must still end
+        holder.join(10)
+    acquired = time.monotonic()
+    if got:
+        waiter.release()
+    if not paused:
+        return "never paused", acquired
+    return ("acquired" if got else "timed out"), acquired
+
+
 def _wake_up_lost_to_a_timed_out_wait(urls: list[str]) -> tuple[str, float]:
     """In a forked child: a release's wake-up reaches a barging lock's only waiter
     of the process (the main thread) just as its timed wait ends, between the
@@ -1162,24 +1192,9 @@ def _wake_up_lost_to_a_timed_out_wait(urls: list[str]) -> tuple[str, float]:
         # wakes the waiter: the one waiter of the process free to wake.
         time.sleep(0.2)
 
-    paused: list[bool] = []
-    holder = threading.Thread(target=hold)
-    holder.start()
-    holding.wait(10)
     waiter = Redlock(resource, retry_delay=1.0, retry_jitter=0, **config)
-    sys.settrace(_at_a_timed_out_wait_clearing(pause, paused))
-    try:
-        got = waiter.acquire(timeout=20)
-    finally:
-        sys.settrace(None)
-        release_now.set()
-        holder.join(10)
-    acquired = time.monotonic()
-    if got:
-        waiter.release()
-    if not paused:
-        return "never paused", 0.0
-    return ("acquired" if got else "timed out"), acquired - last_release[0]
+    outcome, acquired = _acquire_held_at_the_clearing(waiter, hold, holding, pause)
+    return outcome, acquired - last_release[0]
 
 
 def test_a_wake_up_that_races_the_end_of_a_timed_wait_is_not_lost_for_good(
@@ -1224,24 +1239,9 @@ def _hand_off_lost_to_a_timed_out_wait(urls: list[str]) -> tuple[str, float]:
         # reader meanwhile, which gives the hand-off to the waiter it names.
         time.sleep(0.2)
 
-    paused: list[bool] = []
-    holder = threading.Thread(target=hold)
-    holder.start()
-    holding.wait(10)
     waiter = Redlock(resource, retry_delay=3.0, retry_jitter=0, **config)
-    sys.settrace(_at_a_timed_out_wait_clearing(pause, paused))
-    try:
-        got = waiter.acquire(timeout=20)
-    finally:
-        sys.settrace(None)
-        release_now.set()
-        holder.join(10)
-    acquired = time.monotonic()
-    if got:
-        waiter.release()
-    if not paused:
-        return "never paused", 0.0
-    return ("acquired" if got else "timed out"), acquired - released[0]
+    outcome, acquired = _acquire_held_at_the_clearing(waiter, hold, holding, pause)
+    return outcome, acquired - released[0]
 
 
 def test_a_hand_off_that_races_the_end_of_a_timed_wait_is_not_dropped(
