@@ -353,7 +353,8 @@ def _read_token(instance: models.Model, attname: str) -> Any:
     return getattr(instance, attname)
 
 
-def _row_queryset(instance: models.Model) -> models.QuerySet[Any]:
+def _write_base(instance: models.Model) -> models.QuerySet[Any]:
+    """The rows of the instance's model where its fenced write goes, unfiltered."""
     if instance.pk is None:
         raise ValueError(f"cannot update an unsaved {instance._meta.label} (no pk)")
     model = type(instance)
@@ -362,7 +363,7 @@ def _row_queryset(instance: models.Model) -> models.QuerySet[Any]:
     # and the base manager, as save() uses: a default manager's filter must not
     # hide the row.
     db = router.db_for_write(model, instance=instance)
-    return model._base_manager.using(db).filter(pk=instance.pk)
+    return model._base_manager.using(db)
 
 
 def _after_write(instance: models.Model, changes: dict[str, Any]) -> None:
@@ -463,8 +464,14 @@ class _InstanceWrite(NamedTuple):
     attname: str
     read: Any
     changes: dict[str, Any]
-    rows: models.QuerySet[Any]
+    base: models.QuerySet[Any]
+    pk: Any
     target: models.QuerySet[Any]
+
+    @property
+    def rows(self) -> models.QuerySet[Any]:
+        """The row, whatever it holds now: asked only once a write was refused."""
+        return self.base.filter(pk=self.pk)
 
 
 def _instance_write(
@@ -472,9 +479,12 @@ def _instance_write(
 ) -> _InstanceWrite:
     token, attname, changes = _prepare(type(instance), lock, field, updates)
     read = _read_token(instance, attname)
-    rows = _row_queryset(instance)
-    target = rows.filter(**{attname: read, f"{attname}__lt": token})
-    return _InstanceWrite(token, attname, read, changes, rows, target)
+    base = _write_base(instance)
+    # One filter() for the key and the compare: each call clones the queryset
+    # (the row alone is only needed for a refusal's report: ``rows``).
+    pk = instance.pk
+    target = base.filter(pk=pk, **{attname: read, f"{attname}__lt": token})
+    return _InstanceWrite(token, attname, read, changes, base, pk, target)
 
 
 def _refusal(
