@@ -103,7 +103,8 @@ class _Watch:
         #: Set when a release naming nobody woke this waiter alone of its
         #: process, until the attempt that follows the wake-up is answered
         #: (``Hub.attempted``): one that stops watching before then passes the
-        #: wake-up on (``Hub.unwatch``), and later releases wake another.
+        #: wake-up on (``Hub.unwatch``), and later releases wake another (with
+        #: none left, this one again once its wait has returned: ``given``).
         self.pending = False
         #: How many such wake-ups it was given, and how many of them its last
         #: wait had seen: one given since then is not used up by that attempt.
@@ -511,8 +512,16 @@ def watching() -> int:
 
 
 def _first_free(watches: dict[_Watch, None]) -> _Watch | None:
-    """The first of ``watches`` not already woken alone (``_Watch.pending``)."""
-    return next((w for w in watches if not w.pending), None)
+    """The first of ``watches`` not already woken alone (``_Watch.pending``), else
+    the first whose wait already returned with its wake-up: its attempt may have
+    been refused before this release, so it must hear of it too."""
+    attempting = None
+    for watch in watches:
+        if not watch.pending:
+            return watch
+        if attempting is None and watch.seen == watch.given:
+            attempting = watch
+    return attempting
 
 
 _hubs: dict[tuple[int, int], Hub] = {}

@@ -1457,3 +1457,102 @@ def test_an_asyncio_waiter_woken_alone_and_cancelled_in_its_attempt_passes_it_on
     assert first == "cancelled", first
     assert second == "acquired", second
     assert lag < 2.0, f"the next waiter acquired {lag:.2f} s after the release"
+
+
+def _release_during_the_woken_attempt() -> tuple[str, float]:
+    """In a forked child: the one waiter of the process (the main thread, a 3 s
+    retry delay) on a barging lock is woken by the holder's release; the holder
+    barges back in before the woken attempt runs, so that attempt is refused;
+    then, while the refused attempt is still being answered (before the waiter
+    counts it: ``Hub.attempted``), the holder releases for good. Return how the
+    acquisition ended and how long after that last release.
+
+    Both moments come from a trace function (``sys.settrace``), as a debugger's
+    breakpoints would: it pauses the waiter as its woken wait returns (while the
+    holder takes the lock back) and at the call of ``Hub.attempted`` after the
+    refused attempt (while the holder releases and the release's messages reach
+    this process's reader)."""
+    resource = "wl:released-during-the-woken-attempt"
+    hub = wake_hub()
+    holding, release_now, retake, retaken, release_again = (
+        threading.Event() for _ in range(5)
+    )
+    last_release: list[float] = []
+
+    def hold() -> None:  # a lock is released by the thread holding it
+        holder = Redlock(resource)
+        assert holder.acquire(blocking=False)
+        holding.set()
+        release_now.wait(30)
+        holder.release()
+        if retake.wait(30):
+            assert holder.acquire(blocking=False)  # the lock is free: nobody waits
+            retaken.set()
+            release_again.wait(30)
+            last_release.append(time.monotonic())
+            holder.release()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(10)
+
+    def orchestrate() -> None:
+        channel = Redlock(resource)._resolve().spec.key.encode()
+        wait_for(lambda: hub.waiting(channel) == 1, "the main thread waits")
+        wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
+        time.sleep(0.05)  # the other nodes' confirmations, and their early retries
+        release_now.set()
+
+    wait_code = wake.SyncWatch.wait.__code__
+    attempted_code = wake.Hub.attempted.__code__
+    paused: list[str] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if len(paused) == 2:
+            return None
+        if frame.f_code is wait_code:
+            if event == "return" and arg and release_now.is_set() and not paused:
+                paused.append("woken")
+                retake.set()
+                retaken.wait(10)
+            return trace  # to see the wait return
+        if event == "call" and frame.f_code is attempted_code and paused:
+            paused.append("refused")
+            release_again.set()
+            wait_for(lambda: bool(last_release), "the holder released")
+            time.sleep(0.2)  # the release's messages reach this process's reader
+        return None
+
+    threading.Thread(target=orchestrate).start()
+    waiter = Redlock(resource, retry_delay=3.0, retry_jitter=0)
+    sys.settrace(trace)
+    try:
+        got = waiter.acquire(timeout=10)
+    finally:
+        sys.settrace(None)
+        release_now.set()
+        retake.set()
+        release_again.set()
+        holder.join(10)
+    acquired = time.monotonic()
+    if got:
+        waiter.release()
+    if paused != ["woken", "refused"]:
+        return f"paused at {paused}", 0.0
+    return ("acquired" if got else "timed out"), acquired - last_release[0]
+
+
+def test_a_release_during_a_woken_waiters_refused_attempt_wakes_it_again(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A release naming nobody wakes one waiter of the process, one not already
+    woken. A waiter woken alone stays "woken" until its attempt is answered; a
+    release heard meanwhile, with no other waiter in the process, woke nobody, so
+    when that attempt was refused (the holder had barged back in) the waiter slept
+    out its 3 s retry delay with the lock free. The release must reach it: its
+    next wait ends at once."""
+    report = in_forked_child(_release_during_the_woken_attempt, 60)
+    assert report.outcome == "done", report
+    outcome, lag = report.value
+    assert outcome == "acquired", outcome
+    assert lag < 1.0, f"acquired {lag:.2f} s after the release (retry delay: 3 s)"
