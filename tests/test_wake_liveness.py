@@ -1459,6 +1459,67 @@ def test_an_asyncio_waiter_woken_alone_and_cancelled_in_its_attempt_passes_it_on
     assert lag < 2.0, f"the next waiter acquired {lag:.2f} s after the release"
 
 
+class _HeldAndTakenBack:
+    """A barging lock held by a thread: released once ``release_now`` is set,
+    taken back at once when ``retake`` is (no other client waits then), and
+    released for good when ``release_again`` is (its time in ``last_release``)."""
+
+    def __init__(self, resource: str) -> None:
+        self.resource = resource
+        self.holding, self.release_now, self.retake = (
+            threading.Event() for _ in range(3)
+        )
+        self.retaken, self.release_again = threading.Event(), threading.Event()
+        self.last_release: list[float] = []
+        self.thread = threading.Thread(target=self._hold)
+        self.thread.start()
+        self.holding.wait(10)
+
+    def _hold(self) -> None:  # a lock is released by the thread holding it
+        holder = Redlock(self.resource)
+        assert holder.acquire(blocking=False)
+        self.holding.set()
+        self.release_now.wait(30)
+        holder.release()
+        if self.retake.wait(30):
+            assert holder.acquire(blocking=False)  # the lock is free: nobody waits
+            self.retaken.set()
+            self.release_again.wait(30)
+            self.last_release.append(time.monotonic())
+            holder.release()
+
+    def release_when_waited(self, hub: wake.Hub) -> None:
+        """Release once this process's one waiter waits and node 0 confirms it."""
+        channel = Redlock(self.resource)._resolve().spec.key.encode()
+        wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
+        wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
+        time.sleep(0.05)  # the other nodes' confirmations, and their early retries
+        self.release_now.set()
+
+    def take_back(self) -> None:
+        """The first breakpoint's work: the holder takes the lock back."""
+        self.retake.set()
+        self.retaken.wait(10)
+
+    def release_for_good(self) -> None:
+        """The second breakpoint's work: the holder releases, and the release's
+        messages reach this process's reader meanwhile."""
+        self.release_again.set()
+        wait_for(lambda: bool(self.last_release), "the holder released")
+        time.sleep(0.2)
+
+    def report(
+        self, got: bool | None, paused: list[str], acquired: float
+    ) -> tuple[str, float]:
+        for event in (self.release_now, self.retake, self.release_again):
+            event.set()
+        self.thread.join(10)
+        if paused != ["woken", "refused"]:
+            return f"paused at {paused}", 0.0
+        outcome = "acquired" if got else "timed out"
+        return outcome, acquired - self.last_release[0]
+
+
 def _release_during_the_woken_attempt() -> tuple[str, float]:
     """In a forked child: the one waiter of the process (the main thread, a 3 s
     retry delay) on a barging lock is woken by the holder's release; the holder
@@ -1472,37 +1533,7 @@ def _release_during_the_woken_attempt() -> tuple[str, float]:
     holder takes the lock back) and at the call of ``Hub.attempted`` after the
     refused attempt (while the holder releases and the release's messages reach
     this process's reader)."""
-    resource = "wl:released-during-the-woken-attempt"
-    hub = wake_hub()
-    holding, release_now, retake, retaken, release_again = (
-        threading.Event() for _ in range(5)
-    )
-    last_release: list[float] = []
-
-    def hold() -> None:  # a lock is released by the thread holding it
-        holder = Redlock(resource)
-        assert holder.acquire(blocking=False)
-        holding.set()
-        release_now.wait(30)
-        holder.release()
-        if retake.wait(30):
-            assert holder.acquire(blocking=False)  # the lock is free: nobody waits
-            retaken.set()
-            release_again.wait(30)
-            last_release.append(time.monotonic())
-            holder.release()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    holding.wait(10)
-
-    def orchestrate() -> None:
-        channel = Redlock(resource)._resolve().spec.key.encode()
-        wait_for(lambda: hub.waiting(channel) == 1, "the main thread waits")
-        wait_for(lambda: hub.listening(0, channel), "node 0 confirms")
-        time.sleep(0.05)  # the other nodes' confirmations, and their early retries
-        release_now.set()
-
+    held = _HeldAndTakenBack("wl:released-during-the-woken-attempt")
     wait_code = wake.SyncWatch.wait.__code__
     attempted_code = wake.Hub.attempted.__code__
     paused: list[str] = []
@@ -1511,35 +1542,79 @@ def _release_during_the_woken_attempt() -> tuple[str, float]:
         if len(paused) == 2:
             return None
         if frame.f_code is wait_code:
-            if event == "return" and arg and release_now.is_set() and not paused:
+            if event == "return" and arg and held.release_now.is_set() and not paused:
                 paused.append("woken")
-                retake.set()
-                retaken.wait(10)
+                held.take_back()
             return trace  # to see the wait return
         if event == "call" and frame.f_code is attempted_code and paused:
             paused.append("refused")
-            release_again.set()
-            wait_for(lambda: bool(last_release), "the holder released")
-            time.sleep(0.2)  # the release's messages reach this process's reader
+            held.release_for_good()
         return None
 
-    threading.Thread(target=orchestrate).start()
-    waiter = Redlock(resource, retry_delay=3.0, retry_jitter=0)
+    threading.Thread(target=held.release_when_waited, args=(wake_hub(),)).start()
+    waiter = Redlock(held.resource, retry_delay=3.0, retry_jitter=0)
+    got = None
     sys.settrace(trace)
     try:
         got = waiter.acquire(timeout=10)
     finally:
         sys.settrace(None)
-        release_now.set()
-        retake.set()
-        release_again.set()
-        holder.join(10)
-    acquired = time.monotonic()
+        report = held.report(got, paused, time.monotonic())
     if got:
         waiter.release()
-    if paused != ["woken", "refused"]:
-        return f"paused at {paused}", 0.0
-    return ("acquired" if got else "timed out"), acquired - last_release[0]
+    return report
+
+
+def _release_during_the_woken_task_attempt() -> tuple[str, float]:
+    """The same with an asyncio task as the waiter: the trace function runs on
+    the loop's thread, so each breakpoint holds the whole loop, as a busy loop
+    would; the release reaches the process's reader thread meanwhile."""
+    held = _HeldAndTakenBack("wl:released-during-the-woken-task-attempt")
+    wait_code = wake.AsyncWatch.wait.__code__
+    attempted_code = wake.Hub.attempted.__code__
+    paused: list[str] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if len(paused) == 2:
+            return None
+        if frame.f_code is wait_code:
+            # A suspended coroutine "returns" what it awaits; its own return is
+            # True when a wake-up ended the wait.
+            woken = event == "return" and arg is True
+            if woken and held.release_now.is_set() and not paused:
+                paused.append("woken")
+                held.take_back()
+            return trace
+        if event == "call" and frame.f_code is attempted_code and paused:
+            paused.append("refused")
+            held.release_for_good()
+        return None
+
+    loop = asyncio.new_event_loop()
+    looping = threading.Thread(target=loop.run_forever)
+    looping.start()
+    loop.call_soon_threadsafe(sys.settrace, trace)
+    threading.Thread(target=held.release_when_waited, args=(wake_hub(),)).start()
+    waiter = Redlock(held.resource, retry_delay=3.0, retry_jitter=0)
+    acquired: list[float] = []
+
+    async def take() -> bool:
+        got = await waiter.aacquire(timeout=10)
+        acquired.append(time.monotonic())
+        if got:
+            await waiter.arelease()
+        return got
+
+    got = None
+    try:
+        got = asyncio.run_coroutine_threadsafe(take(), loop).result(20)
+    finally:
+        loop.call_soon_threadsafe(sys.settrace, None)
+        report = held.report(got, paused, acquired[0] if acquired else 0.0)
+        loop.call_soon_threadsafe(loop.stop)
+        looping.join(10)
+        loop.close()
+    return report
 
 
 def test_a_release_during_a_woken_waiters_refused_attempt_wakes_it_again(
@@ -1552,6 +1627,18 @@ def test_a_release_during_a_woken_waiters_refused_attempt_wakes_it_again(
     out its 3 s retry delay with the lock free. The release must reach it: its
     next wait ends at once."""
     report = in_forked_child(_release_during_the_woken_attempt, 60)
+    assert report.outcome == "done", report
+    outcome, lag = report.value
+    assert outcome == "acquired", outcome
+    assert lag < 1.0, f"acquired {lag:.2f} s after the release (retry delay: 3 s)"
+
+
+def test_a_release_during_a_woken_tasks_refused_attempt_wakes_it_again(
+    redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """The asyncio side: a task woken alone, whose attempt was refused, hears of
+    the release that came while that attempt was answered."""
+    report = in_forked_child(_release_during_the_woken_task_attempt, 60)
     assert report.outcome == "done", report
     outcome, lag = report.value
     assert outcome == "acquired", outcome
