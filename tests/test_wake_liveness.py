@@ -1508,6 +1508,30 @@ class _HeldAndTakenBack:
         wait_for(lambda: bool(self.last_release), "the holder released")
         time.sleep(0.2)
 
+    def breakpoints(
+        self, wait_code: Any, woken: Callable[[Any], bool], paused: list[str]
+    ) -> Callable[..., Any]:
+        """A trace function (``sys.settrace``): as the waiter's wait (``wait_code``)
+        returns ``woken``, the holder takes the lock back; at the next call of
+        ``Hub.attempted`` (the refused attempt answered), it releases for good."""
+        attempted_code = wake.Hub.attempted.__code__
+
+        def trace(frame: Any, event: str, arg: Any) -> Any:
+            if len(paused) == 2:
+                return None
+            if frame.f_code is wait_code:
+                ended = event == "return" and woken(arg)
+                if ended and self.release_now.is_set() and not paused:
+                    paused.append("woken")
+                    self.take_back()
+                return trace  # to see the wait return
+            if event == "call" and frame.f_code is attempted_code and paused:
+                paused.append("refused")
+                self.release_for_good()
+            return None
+
+        return trace
+
     def report(
         self, got: bool | None, paused: list[str], acquired: float
     ) -> tuple[str, float]:
@@ -1534,23 +1558,8 @@ def _release_during_the_woken_attempt() -> tuple[str, float]:
     refused attempt (while the holder releases and the release's messages reach
     this process's reader)."""
     held = _HeldAndTakenBack("wl:released-during-the-woken-attempt")
-    wait_code = wake.SyncWatch.wait.__code__
-    attempted_code = wake.Hub.attempted.__code__
     paused: list[str] = []
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        if len(paused) == 2:
-            return None
-        if frame.f_code is wait_code:
-            if event == "return" and arg and held.release_now.is_set() and not paused:
-                paused.append("woken")
-                held.take_back()
-            return trace  # to see the wait return
-        if event == "call" and frame.f_code is attempted_code and paused:
-            paused.append("refused")
-            held.release_for_good()
-        return None
-
+    trace = held.breakpoints(wake.SyncWatch.wait.__code__, bool, paused)
     threading.Thread(target=held.release_when_waited, args=(wake_hub(),)).start()
     waiter = Redlock(held.resource, retry_delay=3.0, retry_jitter=0)
     got = None
@@ -1570,26 +1579,12 @@ def _release_during_the_woken_task_attempt() -> tuple[str, float]:
     the loop's thread, so each breakpoint holds the whole loop, as a busy loop
     would; the release reaches the process's reader thread meanwhile."""
     held = _HeldAndTakenBack("wl:released-during-the-woken-task-attempt")
-    wait_code = wake.AsyncWatch.wait.__code__
-    attempted_code = wake.Hub.attempted.__code__
     paused: list[str] = []
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        if len(paused) == 2:
-            return None
-        if frame.f_code is wait_code:
-            # A suspended coroutine "returns" what it awaits; its own return is
-            # True when a wake-up ended the wait.
-            woken = event == "return" and arg is True
-            if woken and held.release_now.is_set() and not paused:
-                paused.append("woken")
-                held.take_back()
-            return trace
-        if event == "call" and frame.f_code is attempted_code and paused:
-            paused.append("refused")
-            held.release_for_good()
-        return None
-
+    # A suspended coroutine "returns" what it awaits; its own return is True
+    # when a wake-up ended the wait.
+    trace = held.breakpoints(
+        wake.AsyncWatch.wait.__code__, lambda value: value is True, paused
+    )
     loop = asyncio.new_event_loop()
     looping = threading.Thread(target=loop.run_forever)
     looping.start()
