@@ -207,8 +207,11 @@ class Redlock:
     def _announce(self, config: Config, grant: Grant, since: float) -> None:
         """Send ``lock_acquired``: last, once the watchdog runs (a slow receiver
         must not outlast an unextended lease)."""
-        self._send(
+        signals.send(
             signals.lock_acquired,
+            Redlock,
+            lock=self,
+            resource=self.resource,
             waited=_clock() - since,
             fencing_token=grant.fencing_token,
             attempts=grant.attempts,

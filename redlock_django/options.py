@@ -22,7 +22,7 @@ from .protocol import LockSpec, drift, validity
 __all__ = ["Config", "resolve"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Config:
     """A lock's options resolved against the settings of the moment."""
 
@@ -37,7 +37,7 @@ class Config:
     identity: tuple[Any, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Merged:
     """The settings with one set of options in place, and what every key shares."""
 
@@ -56,7 +56,7 @@ _memo: tuple[
     dict[tuple[Any, ...], Config],
     dict[tuple[Any, ...], _Merged],
 ] = (None, {}, {})
-MEMO_SIZE = 4096
+MEMO_SIZE = 256
 
 
 def resolve(

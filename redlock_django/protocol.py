@@ -26,7 +26,6 @@ algorithm again.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -194,7 +193,7 @@ Replies = Sequence[NodeReply]
 Flow = Generator[Step, Any, Any]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LockSpec:
     """What one lock needs to know: its keys, its nodes and its timing."""
 
@@ -218,14 +217,15 @@ class LockSpec:
     #: waiter), and whether its releases hand over (``HANDOFF``).
     records: str = ""
     handoff: bool = False
+    #: The majority of the nodes, computed once (every step of a flow reads it).
+    quorum: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "quorum", quorum(len(self.node_names)))
 
     @property
     def node_count(self) -> int:
         return len(self.node_names)
-
-    @functools.cached_property
-    def quorum(self) -> int:
-        return quorum(self.node_count)
 
 
 @dataclass(slots=True)
@@ -360,11 +360,11 @@ def wake_channel(spec: LockSpec, waiter: str) -> str:
 
 
 def _failed(spec: LockSpec, replies: Replies, nodes: Sequence[int]) -> dict[str, str]:
-    return {
-        spec.node_names[i]: reply.error
-        for i, reply in zip(nodes, replies, strict=True)
-        if reply.error is not None
-    }
+    failed: dict[str, str] = {}
+    for i, reply in zip(nodes, replies, strict=True):
+        if reply.error is not None:
+            failed[spec.node_names[i]] = reply.error
+    return failed
 
 
 def _all_silent(spec: LockSpec, failed: dict[str, str]) -> bool:
@@ -517,7 +517,7 @@ def acquire_flow(
                     wins=granted,
                 )
                 won = tuple(
-                    i for i, r in zip(every, replies, strict=True) if granted(r.value)
+                    [i for i, r in zip(every, replies, strict=True) if granted(r.value)]
                 )
                 failed = _failed(spec, replies, every)
                 left = validity(spec.ttl, clock() - start, spec.drift_factor)
@@ -982,10 +982,18 @@ def release_flow(
         need=spec.quorum,
         wins=released,
     )
-    # A node that deleted our key answers 1 + the subscribers it woke.
-    counts = tuple(r.value if released(r.value) else 0 for r in replies)
-    listeners = tuple(max(0, n - 1) for n in counts)
-    done = sum(1 for n in counts if n)
+    # A node that deleted our key answers 1 + the subscribers it woke. (One loop:
+    # every release runs this, and a generator per figure cost a cycle more.)
+    heard: list[int] = []
+    done = 0
+    for reply in replies:
+        value = reply.value
+        if released(value):
+            done += 1
+            heard.append(value - 1)
+        else:
+            heard.append(0)
+    listeners = tuple(heard)
     failed = _failed(spec, replies, every)
     lost = None
     if lease is not None and clock is not None:

@@ -69,6 +69,8 @@ def send(signal: Signal, sender: type, **named: Any) -> None:
     limit): it is the caller's interruption, not the receiver's failure, and is
     raised once every receiver ran.
     """
-    for _receiver, result in signal.send_robust(sender=sender, **named):
+    if not signal.receivers:
+        return  # nobody listens: skip Django's lookups
+    for _receiver, result in signal.send_robust(sender, **named):
         if isinstance(result, BaseException):
             reraise_interruption(result)

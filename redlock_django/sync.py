@@ -43,7 +43,6 @@ import math
 import os
 import select
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -110,16 +109,29 @@ class _Idle:
         self.stalled_at = -math.inf
 
 
-_idle: weakref.WeakKeyDictionary[redis.ConnectionPool, _Idle] = (
-    weakref.WeakKeyDictionary()
-)
+#: Where a pool keeps this driver's idle connections (an attribute: a weak
+#: dictionary's lookup made a weak reference on every fan-out).
+_IDLE = "_redlock_idle"
+
+#: This process's id, kept current across forks: ``os.getpid()`` is a system
+#: call, and every fan-out checks it (a child must not reuse its parent's sockets).
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _take(pool: redis.ConnectionPool, pid: int) -> tuple[_Idle, Any, bool]:
     """Return an idle connection (reused True) or a new, unconnected one."""
-    idle = _idle.get(pool)
+    idle: _Idle | None = getattr(pool, _IDLE, None)
     if idle is None or idle.pid != pid:
-        idle = _idle[pool] = _Idle()
+        idle = _Idle()
+        setattr(pool, _IDLE, idle)
     if idle.owed:
         _settle(idle)
     try:
@@ -281,7 +293,7 @@ class _Round:
         # run them long after this call gave up, with nobody left to resend the source
         # after a NOSCRIPT. Redis caches the script either way.
         command = _command(step, by_sha=not step.critical)
-        pid = os.getpid()
+        pid = _pid
         sent = self.sent
         taken = [(i, *_take(pools[i], pid)) for i in targets]
         # An idle connection the server closed is replaced before it carries the
