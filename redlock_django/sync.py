@@ -42,6 +42,7 @@ import collections
 import math
 import os
 import select
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -217,6 +218,30 @@ def _is_tls(conn: Any) -> bool:
     return isinstance(conn, redis.SSLConnection)
 
 
+#: Connection classes seen on the fast path, reading straight into hiredis, over a
+#: plain socket (no TLS layer): their usual fan-outs take ``_Round._send_quick``.
+_QUICK: set[type] = set()
+
+
+def _put_back(calls: list[_Call]) -> None:
+    """Return unwritten connections to their idle lists, last taken first."""
+    for call in reversed(calls):
+        call.idle.conns.append(call.conn)
+
+
+def _any_readable(fds: list[int]) -> bool:
+    """Whether any idle connection can be read without waiting (closed by the
+    server, or sent what nobody asked for): then none of them takes the quick
+    path, and the general one replaces it (``wire.closed_while_idle``)."""
+    poller = select.poll()
+    try:
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+    except (OSError, ValueError):
+        return True
+    return bool(poller.poll(0))
+
+
 def _command(step: Fanout, by_sha: bool) -> tuple[Any, ...]:
     head = ("EVALSHA", step.script.sha) if by_sha else ("EVAL", step.script.source)
     return (*head, len(step.keys), *step.keys, *step.args)
@@ -287,6 +312,63 @@ class _Round:
 
     def send(self, targets: Sequence[int]) -> None:
         """Write the command to every node before any reply is read."""
+        if not self._send_quick(targets):
+            self._send_general(targets)
+        # Each node gets a whole NODE_TIMEOUT after its command went out, however
+        # long the writes took this thread (connects, other threads holding the GIL).
+        self.deadline = time.monotonic() + self.timeout
+
+    def _send_quick(self, targets: Sequence[int]) -> bool:
+        """The usual fan-out in fewer steps: every node has an idle connection of a
+        class already seen on the fast path (``_QUICK``), and none of them was
+        closed while idle. Anything else, found before the first write, puts the
+        connections back and returns False for ``_send_general``."""
+        pools, pid = self.pools, _pid
+        calls: list[_Call] = []
+        fds: list[int] = []
+        try:
+            for i in targets:
+                idle: _Idle | None = getattr(pools[i], _IDLE, None)
+                if idle is None or idle.pid != pid or idle.owed:
+                    break
+                conn = idle.conns.pop()  # IndexError: none idle
+                calls.append(_Call(i, idle, conn, True))
+                if type(conn) not in _QUICK:
+                    break
+                sock = conn._sock
+                if sock is None:
+                    break
+                fds.append(sock.fileno())
+            else:
+                if not _any_readable(fds):
+                    self._write_all(calls)
+                    return True
+        except IndexError:
+            pass
+        except BaseException:
+            _put_back(calls)
+            raise
+        _put_back(calls)
+        return False
+
+    def _write_all(self, calls: list[_Call]) -> None:
+        """Write to the quick path's connections, then wait on those written."""
+        command = _command(self.step, by_sha=not self.step.critical)
+        self.packed = _pack(calls[0].conn, command)
+        sent = self.sent
+        for call in calls:
+            if self._write(call):
+                sent.append(call)
+        poller, waiting = self.poller, self.waiting
+        for call in sent:
+            call.direct = True
+            fd = call.conn._sock.fileno()
+            poller.register(fd, select.POLLIN)
+            waiting[fd] = call
+        self.sent = []
+
+    def _send_general(self, targets: Sequence[int]) -> None:
+        """Any fan-out: new connections, ones closed while idle, the portable path."""
         began, pools, replies = self.began, self.pools, self.replies
         step = self.step
         # Clean-ups go as EVAL: a node that never answers (frozen, then resumed) may
@@ -316,35 +398,40 @@ class _Round:
             if self.packed is None:  # every connection packs alike: pack once
                 self.packed = _pack(conn, command)
             call = _Call(i, idle, conn, reused)
-            try:
-                _send(conn, self.packed)
-            except Exception as exc:
-                abort(conn)
-                reraise_interruption(exc)
-                if not reused:
-                    _stalled(idle, exc)
-                    replies[i] = NodeReply(error=describe(exc))
-                    continue
-                # An idle connection the server closed (a restart) is only found
-                # out when used; the command did not run, so send it on a new one.
-                if not self._again(call, stalled=True):
-                    continue
-            except BaseException:
-                abort(conn)
-                raise
-            sent.append(call)
+            if self._write(call):
+                sent.append(call)
         # Connected now: each class's path is known (probed at its first connection).
         for call in sent:
             path = path_of(call.conn)
             call.direct = path.direct
             self.portable = self.portable or path.name == PORTABLE
+            if path.direct and type(call.conn._sock) is socket.socket:
+                _QUICK.add(type(call.conn))
         for call in sent:
             self._wait(call)
             self.any_tls = self.any_tls or _is_tls(call.conn)
         self.sent = []
-        # Each node gets a whole NODE_TIMEOUT after its command went out, however
-        # long the writes took this thread (connects, other threads holding the GIL).
-        self.deadline = time.monotonic() + self.timeout
+
+    def _write(self, call: _Call) -> bool:
+        """Write the packed command on ``call``'s connection; say whether it went
+        out (if not, the node's reply says why)."""
+        conn = call.conn
+        try:
+            _send(conn, self.packed)
+        except Exception as exc:
+            abort(conn)
+            reraise_interruption(exc)
+            if not call.reused:
+                _stalled(call.idle, exc)
+                self.replies[call.index] = NodeReply(error=describe(exc))
+                return False
+            # An idle connection the server closed (a restart) is only found
+            # out when used; the command did not run, so send it on a new one.
+            return self._again(call, stalled=True)
+        except BaseException:
+            abort(conn)
+            raise
+        return True
 
     def _again(self, call: _Call, stalled: bool) -> bool:
         """Send the command once more on a new connection; say whether it went out.
