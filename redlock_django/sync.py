@@ -229,19 +229,6 @@ def _put_back(calls: list[_Call]) -> None:
         call.idle.conns.append(call.conn)
 
 
-def _any_readable(fds: list[int]) -> bool:
-    """Whether any idle connection can be read without waiting (closed by the
-    server, or sent what nobody asked for): then none of them takes the quick
-    path, and the general one replaces it (``wire.closed_while_idle``)."""
-    poller = select.poll()
-    try:
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-    except (OSError, ValueError):
-        return True
-    return bool(poller.poll(0))
-
-
 def _command(step: Fanout, by_sha: bool) -> tuple[Any, ...]:
     head = ("EVALSHA", step.script.sha) if by_sha else ("EVAL", step.script.source)
     return (*head, len(step.keys), *step.keys, *step.args)
@@ -325,7 +312,6 @@ class _Round:
         connections back and returns False for ``_send_general``."""
         pools, pid = self.pools, _pid
         calls: list[_Call] = []
-        fds: list[int] = []
         try:
             for i in targets:
                 idle: _Idle | None = getattr(pools[i], _IDLE, None)
@@ -333,14 +319,11 @@ class _Round:
                     break
                 conn = idle.conns.pop()  # IndexError: none idle
                 calls.append(_Call(i, idle, conn, True))
-                if type(conn) not in _QUICK:
+                if type(conn) not in _QUICK or conn._sock is None:
                     break
-                sock = conn._sock
-                if sock is None:
-                    break
-                fds.append(sock.fileno())
             else:
-                if not _any_readable(fds):
+                # One poll(0) for them all, as the general path looks (below).
+                if not any(_closed_while_idle([call.conn for call in calls])):
                     self._write_all(calls)
                     return True
         except IndexError:
