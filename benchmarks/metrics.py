@@ -2,24 +2,24 @@
 
 Starts its own redis-server nodes (as the tests do) and runs uncontended acquire +
 release cycles on fresh keys, interleaved, one configuration after the other in
-every rep, with these receivers connected:
+every rep, with these instruments attached (``signals.attach``):
 
-- ``none``: no receiver at all (neither extra installed);
-- ``metrics``: the Prometheus receivers only. Without ``opentelemetry-api`` this
-  is exactly what runs: ``tracing.install()`` connects nothing;
+- ``none``: no instrument at all (neither extra installed);
+- ``metrics``: the Prometheus instruments only. Without ``opentelemetry-api`` this
+  is exactly what runs: ``tracing.install()`` attaches nothing;
 - ``metrics (again)``: the same once more, the noise control: its ratio to
   ``metrics`` would be 1.000 on a quiet machine, and its distance from 1 is how
   far this run's ratios can be trusted;
-- ``metrics+tracing (api)``: plus the span receivers with the API's no-op
+- ``metrics+tracing (api)``: plus the span instruments with the API's no-op
   provider (``opentelemetry-api`` installed, no SDK configured);
 - ``metrics+tracing (sdk)``: plus spans recorded by an SDK ``TracerProvider``
   (sampled, no exporter: an exporter adds its own cost).
 
 Short blocks, many reps: other processes' load comes in bursts, so each rep's
 rates are compared with each other (paired) and the median of those ratios to
-``metrics`` is printed, with the median rates. Then the receivers' own CPU
-time: one ``lock_acquired`` and one ``lock_released`` sent, no network (best of
-five). Usage: python -m benchmarks.metrics
+``metrics`` is printed, with the median rates. Then the instruments' own CPU
+time: one ``lock_acquired`` and one ``lock_released`` sent as the lock sends them
+(``signals.send``), no network (best of five). Usage: python -m benchmarks.metrics
 """
 
 from __future__ import annotations
@@ -46,11 +46,13 @@ def cycles_per_second(count: int) -> float:
     return count / (time.monotonic() - started)
 
 
-def receivers_us(count: int = 20000) -> float:
+def instruments_us(count: int = 20000) -> float:
     """Microseconds to send one acquired and one released signal (no network)."""
     from redlock_django import Redlock, signals
 
     lock = Redlock("bench:signals")
+    send, acquired_signal = signals.send, signals.lock_acquired
+    released_signal = signals.lock_released
     acquired = {"waited": 0.001, "fencing_token": None, "attempts": 1, "wakeups": 0}
     acquired.update(granted=5, quorum=3, nodes=5)
     released = {"held": 0.001, "elapsed": 0.0005, "released": 5, "lost": None}
@@ -58,14 +60,14 @@ def receivers_us(count: int = 20000) -> float:
     for _ in range(5):
         started = time.perf_counter()
         for _ in range(count):
-            signals.lock_acquired.send(Redlock, lock=lock, resource="r", **acquired)
-            signals.lock_released.send(Redlock, lock=lock, resource="r", **released)
+            send(acquired_signal, Redlock, lock=lock, resource="r", **acquired)
+            send(released_signal, Redlock, lock=lock, resource="r", **released)
         best = min(best, time.perf_counter() - started)
     return best / count * 1e6
 
 
 def configurations() -> dict[str, Callable[[], None]]:
-    """Return, by name, a function connecting that configuration's receivers."""
+    """Return, by name, a function attaching that configuration's instruments."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import NoOpTracerProvider
 
@@ -74,15 +76,17 @@ def configurations() -> dict[str, Callable[[], None]]:
     assert metrics.installed(), "pip install prometheus_client"
     tracing.uninstall()
     all_signals = [getattr(signals, name) for name in signals.__all__]
-    # The metrics receivers, as the app config connected them.
-    saved = {signal: list(signal.receivers) for signal in all_signals}
+    # The metrics instruments, as the app config attached them.
+    saved = {signal: signals.instruments(signal) for signal in all_signals}
 
     def connect(metrics_on: bool, provider: object = None) -> Callable[[], None]:
         def apply() -> None:
             tracing.uninstall()
             for signal in all_signals:
-                signal.receivers = list(saved[signal]) if metrics_on else []
-                signal.sender_receivers_cache.clear()
+                for instrument in saved[signal]:
+                    signals.detach(signal, instrument)
+                    if metrics_on:
+                        signals.attach(signal, instrument)
             if provider is not None:
                 assert tracing.install(tracer_provider=provider)
 
@@ -119,7 +123,7 @@ def main() -> None:
             runs: dict[str, list[float]] = {name: [] for name in setups}
             for apply in setups.values():
                 apply()
-                cycles_per_second(200)  # warm up connections, scripts, receivers
+                cycles_per_second(200)  # warm up connections, scripts, instruments
             for rep in range(args.reps):
                 # Rotate the order each rep, so no configuration always runs first.
                 names = list(setups)
@@ -130,7 +134,7 @@ def main() -> None:
             sends = {}
             for name, apply in setups.items():
                 apply()
-                sends[name] = receivers_us()
+                sends[name] = instruments_us()
         finally:
             nodes.stop_all()
     medians = {name: statistics.median(values) for name, values in runs.items()}
@@ -142,7 +146,7 @@ def main() -> None:
             f"{name:22} {medians[name]:6.0f} cycles/s (median)   "
             f"ratio to metrics {ratio:.3f} (median of paired reps)"
         )
-    print("receivers alone (signals sent for one acquire + release, no network):")
+    print("instruments alone (signals sent for one acquire + release, no network):")
     for name, us in sends.items():
         print(f"{name:22} {us:6.1f} us  ({us - sends['none']:+5.1f} us to none)")
 

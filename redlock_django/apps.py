@@ -35,5 +35,5 @@ class RedlockConfig(AppConfig):
         checks.register(redlock_checks.check_url_placeholders, checks.Tags.urls)
         # Recorded whenever prometheus_client is installed; a no-op otherwise.
         metrics.install()
-        # Spans whenever opentelemetry-api is installed; no receivers otherwise.
+        # Spans whenever opentelemetry-api is installed; nothing attached otherwise.
         tracing.install()

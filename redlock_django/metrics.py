@@ -1,4 +1,5 @@
-"""Prometheus metrics for locks, fed by the signals, when prometheus_client is there.
+"""Prometheus metrics for locks, fed where the signals are sent, when prometheus_client
+is there (instruments attached in ``signals.py``, not Django receivers).
 
 ``install()`` (called by the app config) registers the metrics in the default
 registry, which a scrape endpoint or django-prometheus exposes. No metric has a
@@ -44,7 +45,7 @@ def installed() -> bool:
 
 
 def install() -> bool:
-    """Create the metrics and connect them to the signals; False without prometheus."""
+    """Create the metrics and attach them to the signals; False without prometheus."""
     global _installed
     if _installed:
         return True
@@ -108,7 +109,7 @@ def install() -> bool:
     def on_extended(**kwargs: Any) -> None:
         extended.inc()
 
-    receivers: dict[Signal, Callable[..., None]] = {
+    instruments: dict[Signal, Callable[..., None]] = {
         signals.lock_acquired: on_acquired,
         signals.lock_contended: on_contended,
         signals.lock_unavailable: on_unavailable,
@@ -116,10 +117,8 @@ def install() -> bool:
         signals.lock_lost: on_lost,
         signals.lock_extended: on_extended,
     }
-    for signal, receiver in receivers.items():
-        signal.connect(
-            receiver, weak=False, dispatch_uid=f"redlock-metrics-{receiver.__name__}"
-        )
+    for signal, instrument in instruments.items():
+        signals.attach(signal, instrument)
     # A forked child holds none of its parent's locks (holds.py): it starts at 0,
     # or its gauge would count holds whose release it never sees.
     if counted:

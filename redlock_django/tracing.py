@@ -1,11 +1,13 @@
-"""OpenTelemetry spans for locks, fed by the signals, when opentelemetry-api is there.
+"""OpenTelemetry spans for locks, fed where the signals are sent, when
+opentelemetry-api is there.
 
 Redis auto-instrumentation does not see the blocking driver's traffic (it writes
 its own sockets), so these spans are how a trace shows a lock. ``install()``
-(called by the app config) connects one receiver per signal; without
-``opentelemetry-api`` it connects nothing, so locking costs what it did. With the
-API but no SDK's provider set (the API's default proxy, whose spans are no-ops)
-the receivers return at once; spans start with the first lock after one is set.
+(called by the app config) attaches one instrument per signal (``signals.attach``,
+not a Django receiver); without ``opentelemetry-api`` it attaches nothing, so
+locking costs what it did. With the API but no SDK's provider set (the API's
+default proxy, whose spans are no-ops) the instruments return at once; spans start
+with the first lock after one is set.
 
 Each span is made when its signal arrives, after the fact, with explicit start and
 end times (the wait measured on the monotonic clock, placed on OpenTelemetry's
@@ -59,23 +61,19 @@ RELEASED = "redlock.released"
 VALIDITY = "redlock.validity_seconds"
 REASON = "redlock.lost_reason"
 
-_receivers: dict[Signal, Callable[..., None]] = {}
+_instruments: dict[Signal, Callable[..., None]] = {}
 
 
 def installed() -> bool:
     """Return whether lock spans are being made."""
-    return bool(_receivers)
+    return bool(_instruments)
 
 
 def uninstall() -> None:
-    """Disconnect the span receivers: an explicit opt-out, locks make no spans."""
-    for signal, receiver in _receivers.items():
-        signal.disconnect(receiver, dispatch_uid=_uid(receiver))
-    _receivers.clear()
-
-
-def _uid(receiver: Callable[..., None]) -> str:
-    return f"redlock-tracing-{receiver.__name__}"
+    """Detach the span instruments: an explicit opt-out, locks make no spans."""
+    for signal, instrument in _instruments.items():
+        signals.detach(signal, instrument)
+    _instruments.clear()
 
 
 def _guarded(
@@ -100,13 +98,13 @@ def _guarded(
 
 
 def install(tracer_provider: Any = None) -> bool:
-    """Connect the span receivers to the signals; False without opentelemetry-api.
+    """Attach the span instruments to the signals; False without opentelemetry-api.
 
     Spans go to ``tracer_provider``, by default the global one (as set by the
     SDK's ``trace.set_tracer_provider()``, before or after this call). Already
     installed, nothing changes: ``uninstall()`` first to switch providers.
     """
-    if _receivers:
+    if _instruments:
         return True
     try:
         from opentelemetry import trace
@@ -246,6 +244,6 @@ def install(tracer_provider: Any = None) -> bool:
     }
     for signal, receiver in made.items():
         guarded = _guarded(receiver, idle)
-        signal.connect(guarded, weak=False, dispatch_uid=_uid(receiver))
-        _receivers[signal] = guarded
+        signals.attach(signal, guarded)
+        _instruments[signal] = guarded
     return True

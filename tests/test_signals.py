@@ -310,6 +310,67 @@ def test_a_receiver_that_raises_is_logged_and_the_lock_goes_on(
     assert all(r.name == "django.dispatch" for r in errors)
 
 
+def test_an_instrument_that_raises_is_logged_and_the_receivers_still_hear(
+    sent: list[Any],
+    redlock_settings: dict[str, Any],
+    nodes: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The library's own instruments (metrics, spans) are called where a signal is
+    sent, before its receivers and outside Django's dispatch: one that raises is
+    logged on ``redlock_django.signals``, the lock works, and every receiver still
+    gets the signal."""
+
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("instrument bug")
+
+    signals.attach(signals.lock_acquired, broken)
+    signals.attach(signals.lock_released, broken)
+    lock = Redlock("instrument-leak", ttl=5)
+    try:
+        with lock:
+            assert lock.owned()
+    finally:
+        signals.detach(signals.lock_acquired, broken)
+        signals.detach(signals.lock_released, broken)
+    assert broken not in signals.instruments(signals.lock_acquired)
+    assert lock.depth == 0 and tokens(nodes, "instrument-leak") == [None] * 5
+    assert names(sent) == ["lock_acquired", "lock_released"]
+    errors = [r for r in caplog.records if "instrument bug" in str(r.exc_info)]
+    assert len(errors) == 2, caplog.records  # acquired, released
+    assert all(r.name == "redlock_django.signals" for r in errors)
+
+
+class SoftLimit(Exception):  # noqa: N818 - named as Celery's SoftTimeLimitExceeded
+    """An ordinary ``Exception`` a signal handler raises (a Celery soft time limit)."""
+
+
+def test_a_soft_limit_landing_in_an_instrument_comes_out_of_acquire(
+    sent: list[Any], redlock_settings: dict[str, Any], nodes: NodeSet
+) -> None:
+    """A signal handler's ``Exception`` raised while an instrument runs is the
+    caller's interruption, not the instrument's failure: once the receivers heard
+    ``lock_acquired`` it comes out of ``acquire()``, which undoes the grant."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SoftLimit("soft time limit")
+
+    def interrupted_instrument(**kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(1)  # the handler runs before this ends
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    signals.attach(signals.lock_acquired, interrupted_instrument)
+    try:
+        with pytest.raises(SoftLimit):
+            Redlock("instrument-interrupted", ttl=5).acquire()
+    finally:
+        signals.detach(signals.lock_acquired, interrupted_instrument)
+        signal.signal(signal.SIGUSR1, previous)
+    assert tokens(nodes, "instrument-interrupted") == [None] * 5
+    assert names(sent) == ["lock_acquired", "lock_released"]
+
+
 # Found by an adversarial review (each failed on the code before its fix): a
 # lock_acquired never paired with lock_released after an interrupted acquisition;
 # a forked child's redlock_held counting its parent's holds; lock_released naming

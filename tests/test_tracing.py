@@ -372,9 +372,10 @@ def test_a_failing_span_processor_never_fails_the_lock(
     ]
 
 
-def test_without_opentelemetry_no_receiver_is_connected() -> None:
+def test_without_opentelemetry_no_instrument_is_attached() -> None:
     """A process where opentelemetry cannot be imported (as without the extra)
-    starts the app with no tracing receiver; the same process with it has six."""
+    starts the app with no tracing instrument; the same process with it has six,
+    one per signal, and none of them is a Django receiver."""
     program = """
 import json, sys
 if sys.argv[1] == "absent":
@@ -386,10 +387,11 @@ settings.configure(
 )
 django.setup()
 from redlock_django import signals, tracing
-connected = [getattr(signals, name).receivers for name in signals.__all__]
-uids = [str(key[0][0]) for receivers in connected for key in receivers]
-ours = sum(uid.startswith("redlock-tracing") for uid in uids)
-print(json.dumps([tracing.installed(), ours]))
+every = [getattr(signals, name) for name in signals.__all__]
+attached = [i for signal in every for i in signals.instruments(signal)]
+ours = sum(i.__module__ == "redlock_django.tracing" for i in attached)
+connected = sum(len(signal.receivers) for signal in every)
+print(json.dumps([tracing.installed(), ours, connected]))
 """
     results = {}
     for case in ("absent", "present"):
@@ -402,7 +404,10 @@ print(json.dumps([tracing.installed(), ours]))
             check=True,
         )
         results[case] = json.loads(done.stdout)
-    assert results == {"absent": [False, 0], "present": [True, len(signals.__all__)]}
+    assert results == {
+        "absent": [False, 0, 0],
+        "present": [True, len(signals.__all__), 0],
+    }
 
 
 def test_spans_start_with_the_first_lock_after_a_provider_is_set(
