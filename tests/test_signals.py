@@ -341,7 +341,7 @@ def test_an_instrument_that_raises_is_logged_and_the_receivers_still_hear(
     assert all(r.name == "redlock_django.signals" for r in errors)
 
 
-class SoftLimit(Exception):  # noqa: N818 - named as Celery's SoftTimeLimitExceeded
+class SoftLimit(Exception):
     """An ordinary ``Exception`` a signal handler raises (a Celery soft time limit)."""
 
 
