@@ -322,9 +322,9 @@ class _Round:
                 if type(conn) not in _QUICK or conn._sock is None:
                     break
             else:
-                # One poll(0) for them all, as the general path looks (below).
-                if not any(_closed_while_idle([call.conn for call in calls])):
-                    self._write_all(calls)
+                fds = self._quiet(calls)
+                if fds is not None:
+                    self._write_all(calls, fds)
                     return True
         except IndexError:
             pass
@@ -334,20 +334,51 @@ class _Round:
         _put_back(calls)
         return False
 
-    def _write_all(self, calls: list[_Call]) -> None:
-        """Write to the quick path's connections, then wait on those written."""
+    def _quiet(self, calls: list[_Call]) -> list[int] | None:
+        """Register the idle connections on the round's poller and look, with one
+        poll(0), whether any can be read: closed by the server while idle, or
+        holding what nobody asked for (the general path looks the same way, see
+        ``wire.closed_while_idle``). Return their descriptors, or None (nothing
+        left registered) when one is readable or has no descriptor."""
+        poller = self.poller
+        fds: list[int] = []
+        try:
+            for call in calls:
+                fd = call.conn._sock.fileno()
+                poller.register(fd, select.POLLIN)
+                fds.append(fd)
+            if not poller.poll(0):
+                return fds
+        except (OSError, ValueError):
+            pass
+        for fd in fds:
+            poller.unregister(fd)
+        return None
+
+    def _write_all(self, calls: list[_Call], fds: list[int]) -> None:
+        """Write to the quick path's connections (registered by ``_quiet``), then
+        wait on those written; a connection replaced by ``_write`` is waited on by
+        its new descriptor."""
         command = _command(self.step, by_sha=not self.step.critical)
         self.packed = _pack(calls[0].conn, command)
-        sent = self.sent
-        for call in calls:
-            if self._write(call):
-                sent.append(call)
         poller, waiting = self.poller, self.waiting
+        sent = self.sent
+        fresh: list[_Call] = []
+        for call, fd in zip(calls, fds, strict=True):
+            conn = call.conn
+            written = self._write(call)
+            if written and call.conn is conn:
+                sent.append(call)
+                continue
+            poller.unregister(fd)
+            if written:  # sent again on a new connection (``_again``)
+                sent.append(call)
+                fresh.append(call)
+        for call in fresh:
+            poller.register(call.conn._sock.fileno(), select.POLLIN)
         for call in sent:
             call.direct = True
-            fd = call.conn._sock.fileno()
-            poller.register(fd, select.POLLIN)
-            waiting[fd] = call
+            waiting[call.conn._sock.fileno()] = call
         self.sent = []
 
     def _send_general(self, targets: Sequence[int]) -> None:

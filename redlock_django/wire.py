@@ -198,7 +198,7 @@ def texts(command: tuple[Any, ...]) -> tuple[Any, ...]:
     an int runs pending signal handlers, so one that raises there (a Celery soft
     time limit, Ctrl-C) crashes the process. ``str()`` here raises it cleanly.
     """
-    return tuple(str(a) if type(a) is int or type(a) is float else a for a in command)
+    return tuple([str(a) if type(a) is int or type(a) is float else a for a in command])
 
 
 class TextPacker:
