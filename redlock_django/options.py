@@ -22,9 +22,12 @@ from .protocol import LockSpec, drift, validity
 __all__ = ["Config", "resolve"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Config:
-    """A lock's options resolved against the settings of the moment."""
+    """A lock's options resolved against the settings of the moment.
+
+    Never changed once made (shared across threads); not frozen, as ``LockSpec``.
+    """
 
     spec: LockSpec
     nodes: tuple[NodeSpec, ...]

@@ -193,9 +193,14 @@ Replies = Sequence[NodeReply]
 Flow = Generator[Step, Any, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LockSpec:
-    """What one lock needs to know: its keys, its nodes and its timing."""
+    """What one lock needs to know: its keys, its nodes and its timing.
+
+    Never changed once made (configs share it across threads), but not frozen: a
+    frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``,
+    which doubled what a new key's spec cost (one per fresh resource).
+    """
 
     resource: str
     key: str
@@ -221,7 +226,7 @@ class LockSpec:
     quorum: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "quorum", quorum(len(self.node_names)))
+        self.quorum = quorum(len(self.node_names))
 
     @property
     def node_count(self) -> int:
