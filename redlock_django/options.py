@@ -72,7 +72,8 @@ def resolve(
     The result is remembered until the settings change (at most ``MEMO_SIZE``).
     """
     global _memo
-    options = tuple(given.items())
+    # Keyed by the options set: most locks set none, and () hashes at once.
+    options = tuple([item for item in given.items() if item[1] is not None])
     key = (resource, fencing, options)
     owner, memo, merges = _memo
     # TypeError: an option that cannot be hashed (a list): resolved every time.
