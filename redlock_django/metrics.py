@@ -85,31 +85,31 @@ def install() -> bool:
     contended_seconds = acquire_seconds.labels("contended")
     unavailable_seconds = acquire_seconds.labels("unavailable")
 
-    def on_acquired(waited: float, **kwargs: Any) -> None:
-        acquired_seconds.observe(waited)
+    def on_acquired(named: dict[str, Any]) -> None:
+        acquired_seconds.observe(named["waited"])
         if counted:
             current.inc()
 
-    def on_contended(waited: float, **kwargs: Any) -> None:
-        contended_seconds.observe(waited)
+    def on_contended(named: dict[str, Any]) -> None:
+        contended_seconds.observe(named["waited"])
         contended.inc()
 
-    def on_unavailable(waited: float, **kwargs: Any) -> None:
-        unavailable_seconds.observe(waited)
+    def on_unavailable(named: dict[str, Any]) -> None:
+        unavailable_seconds.observe(named["waited"])
         unavailable.inc()
 
-    def on_released(held: float, **kwargs: Any) -> None:
-        hold_seconds.observe(held)
+    def on_released(named: dict[str, Any]) -> None:
+        hold_seconds.observe(named["held"])
         if counted:
             current.dec()
 
-    def on_lost(**kwargs: Any) -> None:
+    def on_lost(named: dict[str, Any]) -> None:
         lost.inc()
 
-    def on_extended(**kwargs: Any) -> None:
+    def on_extended(named: dict[str, Any]) -> None:
         extended.inc()
 
-    instruments: dict[Signal, Callable[..., None]] = {
+    instruments: dict[Signal, Callable[[dict[str, Any]], None]] = {
         signals.lock_acquired: on_acquired,
         signals.lock_contended: on_contended,
         signals.lock_unavailable: on_unavailable,

@@ -70,18 +70,20 @@ lock_lost = Signal(use_caching=True)
 logger = logging.getLogger(__name__)
 
 #: The instruments attached to each signal, called in the order attached.
-_instruments: dict[Signal, tuple[Callable[..., None], ...]] = {}
+_instruments: dict[Signal, tuple[Callable[[dict[str, Any]], None], ...]] = {}
 
 
-def attach(signal: Signal, instrument: Callable[..., None]) -> None:
-    """Call ``instrument(**named)`` wherever ``signal`` is sent, before its
-    receivers; attaching it again changes nothing."""
+def attach(signal: Signal, instrument: Callable[[dict[str, Any]], None]) -> None:
+    """Call ``instrument(named)`` wherever ``signal`` is sent, before its
+    receivers: ``named`` is the dict of the signal's arguments (``lock``,
+    ``resource``, ...), the same for every instrument, which must not change it.
+    Attaching it again changes nothing."""
     attached = _instruments.get(signal, ())
     if instrument not in attached:
         _instruments[signal] = (*attached, instrument)
 
 
-def detach(signal: Signal, instrument: Callable[..., None]) -> None:
+def detach(signal: Signal, instrument: Callable[[dict[str, Any]], None]) -> None:
     """Stop calling ``instrument`` for ``signal``; not attached, nothing changes."""
     left = tuple(i for i in _instruments.get(signal, ()) if i is not instrument)
     if left:
@@ -90,7 +92,7 @@ def detach(signal: Signal, instrument: Callable[..., None]) -> None:
         _instruments.pop(signal, None)
 
 
-def instruments(signal: Signal) -> tuple[Callable[..., None], ...]:
+def instruments(signal: Signal) -> tuple[Callable[[dict[str, Any]], None], ...]:
     """The instruments attached to ``signal``, in the order they are called."""
     return _instruments.get(signal, ())
 
@@ -107,7 +109,7 @@ def send(signal: Signal, sender: type, **named: Any) -> None:
     interrupted: BaseException | None = None
     for instrument in _instruments.get(signal, ()):
         try:
-            instrument(**named)
+            instrument(named)
         except Exception as exc:
             found = interruption(exc)
             if found is None:

@@ -61,7 +61,7 @@ RELEASED = "redlock.released"
 VALIDITY = "redlock.validity_seconds"
 REASON = "redlock.lost_reason"
 
-_instruments: dict[Signal, Callable[..., None]] = {}
+_instruments: dict[Signal, Callable[[dict[str, Any]], None]] = {}
 
 
 def installed() -> bool:
@@ -78,18 +78,19 @@ def uninstall() -> None:
 
 def _guarded(
     receiver: Callable[..., None], idle: Callable[[], bool]
-) -> Callable[..., None]:
-    """A tracing failure is logged, never raised into the lock's caller.
+) -> Callable[[dict[str, Any]], None]:
+    """The instrument calling ``receiver`` with a signal's arguments: a tracing
+    failure is logged, never raised into the lock's caller.
 
     While ``idle()`` says no SDK provider would record the span, nothing is made.
     """
 
     @functools.wraps(receiver)
-    def guarded(**kwargs: Any) -> None:
+    def guarded(named: dict[str, Any]) -> None:
         if idle():
             return
         try:
-            receiver(**kwargs)
+            receiver(**named)
         except Exception as exc:
             reraise_interruption(exc)
             logger.exception("redlock tracing: %s failed", receiver.__name__)

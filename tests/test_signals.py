@@ -321,7 +321,7 @@ def test_an_instrument_that_raises_is_logged_and_the_receivers_still_hear(
     logged on ``redlock_django.signals``, the lock works, and every receiver still
     gets the signal."""
 
-    def broken(**kwargs: Any) -> None:
+    def broken(named: dict[str, Any]) -> None:
         raise RuntimeError("instrument bug")
 
     signals.attach(signals.lock_acquired, broken)
@@ -355,7 +355,7 @@ def test_a_soft_limit_landing_in_an_instrument_comes_out_of_acquire(
     def handler(signum: int, frame: Any) -> None:
         raise SoftLimit("soft time limit")
 
-    def interrupted_instrument(**kwargs: Any) -> None:
+    def interrupted_instrument(named: dict[str, Any]) -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(1)  # the handler runs before this ends
 
