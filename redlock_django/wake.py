@@ -524,15 +524,17 @@ def _first_free(watches: dict[_Watch, None]) -> _Watch | None:
     return attempting
 
 
-_hubs: dict[tuple[int, int], Hub] = {}
+#: By the id of the pools (a forked child starts with none: _forget_parent_hubs).
+_hubs: dict[int, Hub] = {}
 _hubs_lock = threading.Lock()
 
 
 def hub(pools: Sequence[redis.ConnectionPool]) -> Hub:
     """Return this process's hub for ``pools`` (one per node set and process)."""
-    key = (os.getpid(), id(pools))
+    key = id(pools)
     found = _hubs.get(key)
-    if found is None or found.pools != tuple(pools):
+    # The pools' own tuple (nodes.sync_pools) is the hub's: no comparison.
+    if found is None or (found.pools is not pools and found.pools != tuple(pools)):
         with _hubs_lock:
             found = _hubs.get(key)
             if found is None or found.pools != tuple(pools):
