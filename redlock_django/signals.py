@@ -43,6 +43,7 @@ time limit) is the caller's interruption, and is raised.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -69,8 +70,10 @@ lock_lost = Signal(use_caching=True)
 
 logger = logging.getLogger(__name__)
 
-#: The instruments attached to each signal, called in the order attached.
+#: The instruments attached to each signal, called in the order attached. Each
+#: entry is a tuple, replaced whole under the lock: ``send`` reads without it.
 _instruments: dict[Signal, tuple[Callable[[dict[str, Any]], None], ...]] = {}
+_instruments_lock = threading.Lock()
 
 
 def attach(signal: Signal, instrument: Callable[[dict[str, Any]], None]) -> None:
@@ -78,18 +81,20 @@ def attach(signal: Signal, instrument: Callable[[dict[str, Any]], None]) -> None
     receivers: ``named`` is the dict of the signal's arguments (``lock``,
     ``resource``, ...), the same for every instrument, which must not change it.
     Attaching it again changes nothing."""
-    attached = _instruments.get(signal, ())
-    if instrument not in attached:
-        _instruments[signal] = (*attached, instrument)
+    with _instruments_lock:
+        attached = _instruments.get(signal, ())
+        if instrument not in attached:
+            _instruments[signal] = (*attached, instrument)
 
 
 def detach(signal: Signal, instrument: Callable[[dict[str, Any]], None]) -> None:
     """Stop calling ``instrument`` for ``signal``; not attached, nothing changes."""
-    left = tuple(i for i in _instruments.get(signal, ()) if i is not instrument)
-    if left:
-        _instruments[signal] = left
-    else:
-        _instruments.pop(signal, None)
+    with _instruments_lock:
+        left = tuple(i for i in _instruments.get(signal, ()) if i is not instrument)
+        if left:
+            _instruments[signal] = left
+        else:
+            _instruments.pop(signal, None)
 
 
 def instruments(signal: Signal) -> tuple[Callable[[dict[str, Any]], None], ...]:
