@@ -44,6 +44,7 @@ from redlock_django import (
     aio,
     signals,
     sync,
+    tracing,
     wake,
 )
 from redlock_django.readers import Reader
@@ -763,6 +764,10 @@ def _interrupted_attempts(resource: str, urls: list[str], wait: float) -> Any:
     the interruptions ``acquire()`` swallowed (where each landed) and the depth."""
     fired: list[str] = []
     signal.signal(signal.SIGALRM, _shot_handler(fired))
+    # No spans: the OpenTelemetry SDK catches and logs what its span processors
+    # raise, a shot landing there included, and once a test set its provider (for
+    # the whole process, as test_tracing does) every refusal makes a span.
+    tracing.uninstall()
     gc.freeze()  # what the process holds now: never collected, never scanned
     rng = random.Random(12)
     waiter = Redlock(resource, nodes=urls, reentrant=False)
