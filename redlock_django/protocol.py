@@ -538,7 +538,7 @@ def acquire_flow(
                     # the highest. Once a majority's counters are at it, every later
                     # majority meets one of them and draws past it; when fewer
                     # granting nodes reached it, it is written back to them first.
-                    drawn = [replies[i].value for i in won]
+                    drawn = tuple(replies[i].value for i in won)  # see ``won``
                     fencing_token = max(drawn)
                     if drawn.count(fencing_token) < spec.quorum:
                         confirms: Replies = yield Fanout(
