@@ -273,7 +273,11 @@ async def fanout(
     try:
         wins = 0
         while True:
-            while pending and not (need and wins >= need):
+            # Loops shaped for Python 3.13's signal checks: ``while True`` with a
+            # ``break``, ``continue`` guards, generators (tests/test_back_edges.py).
+            while True:
+                if not pending or (need and wins >= need):
+                    break
                 now = loop.time()
                 if now >= deadline:
                     # Each node gets a whole NODE_TIMEOUT from its command's write,
@@ -288,8 +292,9 @@ async def fanout(
                 _raise_interruption(done, interrupted)
                 for call in done:
                     reply = got[index[call]]
-                    if winning is not None and reply is not None and reply.ok:
-                        wins += winning(reply.value)
+                    if winning is None or reply is None or not reply.ok:
+                        continue
+                    wins += winning(reply.value)
             if pending and need and wins >= need:
                 # Known outcome: give the other nodes a few round trips (as sync.py
                 # does), then stop waiting for a slow or hung one; never past their
@@ -309,7 +314,7 @@ async def fanout(
             # Those turns may have finished a connect and written the command only
             # now (a crowded loop): that node has not had its NODE_TIMEOUT yet. Wait
             # on; marks move at most twice per connection, so this ends.
-            silent = [call for call in pending if got[index[call]] is None]
+            silent = list(call for call in pending if got[index[call]] is None)
             if why == UNAWAITED or not silent:
                 break
             later = max(marks[index[call]] for call in silent) + timeout

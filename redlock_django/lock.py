@@ -696,22 +696,22 @@ class Redlock:
         block here; else ``owner`` (ambiguous: nothing is released for another).
         A block whose task is gone (its hold went with it) may be the one ending:
         then no other task's hold is released either."""
+        # No loop ending in an ``if`` in this block: on Python 3.13 a signal
+        # handler's exception raised at its jump back skips the block's exit, and
+        # the lock stays held (tests/test_back_edges.py).
         with _entered_lock:
             entered = self._entered
             tasks = [ref() for ref in entered]
-            mine = [i for i, task in enumerate(tasks) if task is owner]
-            if mine:
-                del entered[mine[-1]]
+            last = {id(task): i for i, task in enumerate(tasks)}  # each one's last
+            mine = last.get(id(owner), last.get(id(None)))  # else a dead one's
+            if mine is not None:
+                del entered[mine]
                 return owner
-            dead = [i for i, task in enumerate(tasks) if task is None]
-            if dead:
-                del entered[dead[-1]]
+            if len(last) != 1:
                 return owner
-            others = {id(task): task for task in tasks if task is not None}
-            if len(others) != 1:
-                return owner
-            (chosen,) = others.values()
-            del entered[max(i for i, task in enumerate(tasks) if task is chosen)]
+            (i,) = last.values()
+            chosen = tasks[i]
+            del entered[i]
             return chosen
 
     # The current owner's view of its hold: local, no network.

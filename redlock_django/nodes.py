@@ -188,7 +188,8 @@ def async_clients(
             # here: those of the loops closed since the last new one (one per
             # asyncio.run(), per async_to_sync() call) go now, or every loop and
             # its sockets would stay for good.
-            closed = [_async.pop(old) for old in list(_async) if old.is_closed()]
+            # A generator: see tests/test_back_edges.py.
+            closed = list(_async.pop(old) for old in list(_async) if old.is_closed())
             per_loop = _async[loop] = {}
         pools = per_loop.get(key)
         if pools is None:

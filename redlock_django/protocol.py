@@ -523,10 +523,9 @@ def acquire_flow(
                     need=spec.quorum,
                     wins=granted,
                 )
-                # A generator, not a list comprehension: Python 3.12+ inlines
-                # those, and a signal handler's exception raised in one here
-                # escaped this try, its clean-up never sent (test_holds: 11 runs
-                # of 45 on 3.13, one shot in about 1,200).
+                # A generator, not a list comprehension: on Python 3.13 a signal
+                # handler's exception raised in one here escaped this try, its
+                # clean-up never sent (tests/test_back_edges.py).
                 won = tuple(
                     i for i, r in zip(every, replies, strict=True) if granted(r.value)
                 )

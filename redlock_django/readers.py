@@ -65,7 +65,10 @@ class Link:
         """Subscribe to ``channels`` now if connected (else at the next connect)."""
         with self._send_lock:
             conn = self._conn
-            fresh = [c for c in channels if c not in self._asked]
+            # A generator, not a comprehension: on Python 3.13 a signal handler's
+            # exception raised in one skipped the with block's exit, and the lock
+            # stayed held (tests/test_back_edges.py).
+            fresh = list(c for c in channels if c not in self._asked)
             if conn is None or not fresh:
                 return
             self._asked.update(fresh)
