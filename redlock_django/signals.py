@@ -81,6 +81,15 @@ def attach(signal: Signal, instrument: Callable[[dict[str, Any]], None]) -> None
     receivers: ``named`` is the dict of the signal's arguments (``lock``,
     ``resource``, ...), the same for every instrument, which must not change it.
     Attaching it again changes nothing."""
+    if not isinstance(signal, Signal):
+        raise TypeError(
+            f"attach() takes a django.dispatch.Signal (such as "
+            f"redlock_django.signals.lock_acquired), not {signal!r}"
+        )
+    if not callable(instrument):
+        raise TypeError(
+            f"an instrument must be callable as instrument(named), not {instrument!r}"
+        )
     with _instruments_lock:
         attached = _instruments.get(signal, ())
         if instrument not in attached:

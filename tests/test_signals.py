@@ -341,6 +341,26 @@ def test_an_instrument_that_raises_is_logged_and_the_receivers_still_hear(
     assert all(r.name == "redlock_django.signals" for r in errors)
 
 
+@pytest.mark.parametrize(
+    ("signal_", "instrument", "why"),
+    [
+        (signals.lock_acquired, "redlock.acquired", "must be callable"),
+        (signals.lock_acquired, None, "must be callable"),
+        ("lock_acquired", print, "a django.dispatch.Signal"),
+    ],
+    ids=["a-name", "none", "a-signal-by-name"],
+)
+def test_attach_refuses_what_it_could_never_call(
+    signal_: Any, instrument: Any, why: str
+) -> None:
+    """A mistake in ``attach()`` is a TypeError there and then, not a logged
+    error at every acquisition; nothing is attached."""
+    before = signals.instruments(signals.lock_acquired)
+    with pytest.raises(TypeError, match=why):
+        signals.attach(signal_, instrument)
+    assert signals.instruments(signals.lock_acquired) == before
+
+
 class SoftLimit(Exception):
     """An ordinary ``Exception`` a signal handler raises (a Celery soft time limit)."""
 
