@@ -64,13 +64,23 @@ from .protocol import (
     grace,
 )
 from .wake import Hub, SyncWatch
-from .wire import INCOMPLETE, PORTABLE, SLICE, abort, in_flight, path_of, wait_one
+from .wire import (
+    INCOMPLETE,
+    NOT_READ,
+    PORTABLE,
+    SLICE,
+    abort,
+    in_flight,
+    path_of,
+    wait_one,
+)
 from .wire import MIN_WAIT as _MIN_WAIT
 from .wire import arrived as _arrived
 from .wire import clean as _clean
 from .wire import closed_while_idle as _closed_while_idle
 from .wire import pack as _pack
 from .wire import read as _read
+from .wire import read_arrived as _read_arrived
 from .wire import read_response as _read_response
 from .wire import send as _send
 
@@ -360,13 +370,29 @@ class _Round:
         wait on those written; a connection replaced by ``_write`` is waited on by
         its new descriptor."""
         command = _command(self.step, by_sha=not self.step.critical)
-        self.packed = _pack(calls[0].conn, command)
+        packed = self.packed = _pack(calls[0].conn, command)
+        # One write(2) per node here (the descriptors are non-blocking: see
+        # ``wire.send``); what it did not finish, or could not start, ``_write`` does.
+        data = packed[0] if len(packed) == 1 else b""
+        size = len(data)
         poller, waiting = self.poller, self.waiting
         sent = self.sent
         fresh: list[_Call] = []
         for call, fd in zip(calls, fds, strict=True):
             conn = call.conn
-            written = self._write(call)
+            done = 0
+            if size:
+                try:
+                    done = os.write(fd, data)
+                except OSError:
+                    done = 0  # nothing written: _write finds out why
+                except BaseException:
+                    abort(conn)  # interrupted: the command may be out
+                    raise
+                if done == size:
+                    sent.append(call)
+                    continue
+            written = self._write(call, done)
             if written and call.conn is conn:
                 sent.append(call)
                 continue
@@ -426,12 +452,13 @@ class _Round:
             self.any_tls = self.any_tls or _is_tls(call.conn)
         self.sent = []
 
-    def _write(self, call: _Call) -> bool:
-        """Write the packed command on ``call``'s connection; say whether it went
-        out (if not, the node's reply says why)."""
+    def _write(self, call: _Call, done: int = 0) -> bool:
+        """Write the packed command on ``call``'s connection, whose first ``done``
+        bytes went out already; say whether it went out (if not, the node's reply
+        says why)."""
         conn = call.conn
         try:
-            _send(conn, self.packed)
+            _send(conn, self.packed, done)
         except Exception as exc:
             abort(conn)
             reraise_interruption(exc)
@@ -539,11 +566,50 @@ class _Round:
                 call = waiting.pop(key)
                 if polled:
                     poller.unregister(key)
-                if self._answer(call, final, left):
+                won = None if final or not call.direct else self._quick(call)
+                if won is None:
+                    won = self._answer(call, final, left)
+                if won:
                     wins += 1
 
-    def _answer(self, call: _Call, final: bool, left: float) -> bool:
-        """Read one node's reply; say whether it is a winning one.
+    def _quick(self, call: _Call) -> bool | None:
+        """The usual reply, in fewer steps: read whole in one go
+        (``wire.read_arrived``), not an error, nothing after it. Say whether it
+        wins; anything else goes to ``_answer`` (None: nothing was read)."""
+        conn = call.conn
+        try:
+            value = _read_arrived(conn)
+        except Exception as exc:  # a reply hiredis cannot parse, as in _answer
+            abort(conn)
+            reraise_interruption(exc)
+            self.replies[call.index] = NodeReply(error=describe(exc))
+            return False
+        except BaseException:
+            abort(conn)  # interrupted: what was read is lost with it
+            raise
+        if value is NOT_READ:
+            return None
+        if (
+            value is INCOMPLETE
+            or call.unsure
+            or isinstance(value, Exception)
+            or not _clean(conn)
+        ):
+            return self._answer(call, False, 0.0, value)
+        idle = call.idle
+        if len(idle.conns) < MAX_IDLE:
+            idle.conns.append(conn)
+        else:
+            conn.disconnect()
+        self.replies[call.index] = NodeReply(value)
+        winning = self.step.wins
+        return winning is not None and bool(winning(value))
+
+    def _answer(
+        self, call: _Call, final: bool, left: float, read: Any = NOT_READ
+    ) -> bool:
+        """Read one node's reply (unless ``_quick`` did: ``read``); say whether it
+        is a winning one.
 
         A node that answers NOSCRIPT (restarted, or SCRIPT FLUSH) gets the source
         once, and a reply not whole yet is waited for again. Idle connections the
@@ -554,11 +620,14 @@ class _Round:
         i, conn = call.index, call.conn
         replies = self.replies
         try:
-            value = (
-                _read_response(conn, _MIN_WAIT)
-                if final
-                else _read(conn, max(left, _MIN_WAIT), call.direct)
-            )
+            if read is not NOT_READ:
+                value = read
+                if isinstance(value, redis.ConnectionError | redis.ResponseError):
+                    raise value  # as ``wire.read`` raises it
+            elif final:
+                value = _read_response(conn, _MIN_WAIT)
+            else:
+                value = _read(conn, max(left, _MIN_WAIT), call.direct)
         except NoScriptError:
             if call.resent:
                 replies[i] = NodeReply(error="NoScriptError")

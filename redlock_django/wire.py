@@ -55,6 +55,7 @@ __all__ = [
     "FAST",
     "FORCED",
     "INCOMPLETE",
+    "NOT_READ",
     "PATHS",
     "PORTABLE",
     "SLICE",
@@ -69,6 +70,7 @@ __all__ = [
     "path_of",
     "pending_replies",
     "read",
+    "read_arrived",
     "read_response",
     "send",
     "texts",
@@ -87,6 +89,8 @@ SLICE = 0.0005
 MIN_WAIT = 0.0001
 #: ``read()``'s answer when a reply has started but not all of it is there yet.
 INCOMPLETE: Any = object()
+#: ``read_arrived()``'s answer when it read nothing: the caller reads as usual.
+NOT_READ: Any = object()
 
 
 def _forced(environ: Any = os.environ) -> bool:
@@ -243,10 +247,11 @@ def pack(conn: Any, command: tuple[Any, ...]) -> Any:
     return conn.pack_command(*command)
 
 
-def send(conn: Any, packed: list[bytes]) -> None:
+def send(conn: Any, packed: list[bytes], done: int = 0) -> None:
     """Write a packed command; a new connection connects (and authenticates) first.
 
-    Only a connection of a class already probed fast is written to directly.
+    Only a connection of a class already probed fast is written to directly, and
+    only there can ``done`` (bytes the caller wrote already) be more than 0.
     """
     path = PATHS.get(type(conn))
     sock = conn._sock if path is not None and path.name == FAST else None
@@ -259,10 +264,12 @@ def send(conn: Any, packed: list[bytes]) -> None:
             # The socket has a timeout, so its descriptor is non-blocking:
             # write(2) at once, where sendall() would poll(2) first. Whatever
             # the kernel did not take goes through sendall(), with its timeout.
-            try:
-                sent = os.write(sock.fileno(), data)
-            except BlockingIOError:
-                sent = 0
+            sent = done
+            if not sent:
+                try:
+                    sent = os.write(sock.fileno(), data)
+                except BlockingIOError:
+                    sent = 0
             if sent < len(data):
                 sock.sendall(memoryview(data)[sent:])
         else:  # TLS: the socket's own sendall() encrypts
@@ -317,6 +324,36 @@ def read(conn: Any, timeout: float, direct: bool) -> Any:
     if isinstance(reply, redis.ConnectionError | redis.ResponseError):
         raise reply
     return reply
+
+
+def read_arrived(conn: Any) -> Any:
+    """Read, in one read(2) into its hiredis reader, the reply poll() saw arrive on
+    a plain socket; the caller has waited on nothing else of it.
+
+    Returns the reply (an error reply as its exception object, not raised), or
+    ``INCOMPLETE``, or ``NOT_READ`` (reading nothing) for any other case: another
+    parser or socket, a reply already started, or a read that failed or found the
+    connection closed, which ``read()`` then finds again and raises. The usual
+    reply of a fan-out costs one call here, where ``read()`` takes several.
+    """
+    parser = conn._parser
+    if type(parser) is not _HiredisParser:
+        return NOT_READ
+    reader, sock = parser._reader, parser._sock
+    if reader is None or type(sock) is not socket.socket or sock.gettimeout() is None:
+        return NOT_READ  # a blocking descriptor: read() asks not to wait
+    has_data = getattr(reader, "has_data", None)
+    if has_data is None or has_data():
+        return NOT_READ
+    try:
+        data = os.read(sock.fileno(), 65536)
+    except OSError:
+        return NOT_READ
+    if not data:
+        return NOT_READ
+    reader.feed(data)
+    reply = reader.gets()
+    return INCOMPLETE if reply is _NOT_ENOUGH_DATA else reply
 
 
 def clean(conn: Any) -> bool:

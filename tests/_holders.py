@@ -133,19 +133,21 @@ def staged(args: argparse.Namespace) -> None:
     lock = Redlock(args.resource, ttl=args.ttl, fencing=not args.unfenced)
     if args.stop_at == "after-send":
         # Freeze between the acquire's last write and its first read: the nodes
-        # grant while this process is stopped, and their replies wait for it.
-        nodes = len(urls)
-        real_send = sync._send
-        sent: list[bytes] = []
+        # grant while this process is stopped, and their replies wait for it. A
+        # profile hook sees the fan-out start reading (its writes all done);
+        # nothing of the library is replaced.
+        reading = sync._Round.read.__code__
 
-        def send(conn: Any, packed: list[bytes]) -> None:
-            real_send(conn, packed)
-            if ACQUIRE_SCRIPT.sha.encode() in b"".join(packed):
-                sent.append(b"")
-                if len(sent) == nodes:
-                    freeze("after-send")
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            if (
+                event == "call"
+                and frame.f_code is reading
+                and frame.f_locals["self"].step.script is ACQUIRE_SCRIPT
+            ):
+                sys.setprofile(None)
+                freeze("after-send")
 
-        sync._send = send  # type: ignore[assignment]
+        sys.setprofile(hook)
     started = time.monotonic()
     try:
         acquired = lock.acquire(blocking=False)

@@ -476,3 +476,55 @@ def test_an_unsolicited_extra_reply_is_never_taken_for_the_next_commands_reply(
     assert got[0] == NodeReply(b"w0")
     for n in (1, 2):  # its own reply, or the node counted as failed: never another's
         assert got[n].value in (None, f"w{n}".encode()), got
+
+
+def test_a_reply_the_parser_cannot_read_fails_that_node_and_its_connection_alone(
+    settings: Any,
+) -> None:
+    """A (non-Redis) server answers one command with bytes no RESP reply starts
+    with. On the sync driver's usual path (an idle connection, its reply read in
+    one step: ``wire.read_arrived``) hiredis raises a protocol error: that node's
+    reply is the error, nothing is raised to the caller, and the connection is
+    dropped, so the next fan-out gets its own reply on a new one."""
+    import socket
+    import threading
+
+    import hiredis
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    accepted = 0
+
+    def handle(conn: socket.socket) -> None:
+        reader = hiredis.Reader()
+        with conn:
+            while data := conn.recv(65536):
+                reader.feed(data)
+                while (command := reader.gets()) is not False:
+                    word = command[-1]
+                    if word == b"garble":
+                        conn.sendall(b"?garbled\r\n")
+                    else:
+                        conn.sendall(b"$%d\r\n%s\r\n" % (len(word), word))
+
+    def serve() -> None:
+        nonlocal accepted
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                accepted += 1
+                threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        pools = pools_for(settings, [f"redis://127.0.0.1:{port}/0"])
+        words = ("w0", "garble", "w2")
+        got = [sync.fanout(pools, echo_word(word), 1.0)[0] for word in words]
+    finally:
+        server.close()
+    assert got[0] == NodeReply(b"w0")
+    assert got[1].value is None and "Protocol error" in (got[1].error or ""), got
+    assert got[2] == NodeReply(b"w2")
+    assert accepted == 2  # the garbled connection was not used again
