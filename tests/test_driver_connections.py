@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -427,6 +428,45 @@ def test_two_trickling_nodes_of_five_cannot_make_a_quorum_granted_acquire_fail(
         assert took < 3 * NODE_TIMEOUT, took
 
 
+@contextlib.contextmanager
+def _answering_server(
+    answer: Any,
+) -> Iterator[tuple[int, list[object]]]:
+    """A (non-Redis) server on a free port that answers each command with
+    ``answer(its last argument)``, raw bytes, whatever they are; yields its port
+    and the list of connections it accepted."""
+    import socket
+    import threading
+
+    import hiredis
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted: list[object] = []
+
+    def handle(conn: socket.socket) -> None:
+        reader = hiredis.Reader()
+        with conn:
+            while data := conn.recv(65536):
+                reader.feed(data)
+                while (command := reader.gets()) is not False:
+                    conn.sendall(answer(command[-1]))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                accepted.append(conn)
+                threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield server.getsockname()[1], accepted
+    finally:
+        server.close()
+
+
 def test_an_unsolicited_extra_reply_is_never_taken_for_the_next_commands_reply(
     settings: Any,
 ) -> None:
@@ -436,43 +476,17 @@ def test_an_unsolicited_extra_reply_is_never_taken_for_the_next_commands_reply(
     and every later command on that connection then gets the PREVIOUS command's
     reply: the off-by-one a pooled connection must never have (redis-py's own pool
     drops a connection that holds unread data when it is checked out)."""
-    import socket
-    import threading
-
-    import hiredis
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    port = server.getsockname()[1]
     answered = 0
 
-    def handle(conn: socket.socket) -> None:
+    def answer(word: bytes) -> bytes:
         nonlocal answered
-        reader = hiredis.Reader()
-        with conn:
-            while data := conn.recv(65536):
-                reader.feed(data)
-                while (command := reader.gets()) is not False:
-                    answered += 1
-                    word = command[-1]
-                    out = b"$%d\r\n%s\r\n" % (len(word), word)
-                    if answered == 1:
-                        out += b"$5\r\nstale\r\n"
-                    conn.sendall(out)
+        answered += 1
+        out = b"$%d\r\n%s\r\n" % (len(word), word)
+        return out + b"$5\r\nstale\r\n" if answered == 1 else out
 
-    def serve() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = server.accept()
-                threading.Thread(target=handle, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
+    with _answering_server(answer) as (port, _):
         pools = pools_for(settings, [f"redis://127.0.0.1:{port}/0"])
         got = [sync.fanout(pools, echo_word(f"w{n}"), 1.0)[0] for n in range(3)]
-    finally:
-        server.close()
     assert got[0] == NodeReply(b"w0")
     for n in (1, 2):  # its own reply, or the node counted as failed: never another's
         assert got[n].value in (None, f"w{n}".encode()), got
@@ -486,45 +500,17 @@ def test_a_reply_the_parser_cannot_read_fails_that_node_and_its_connection_alone
     one step: ``wire.read_arrived``) hiredis raises a protocol error: that node's
     reply is the error, nothing is raised to the caller, and the connection is
     dropped, so the next fan-out gets its own reply on a new one."""
-    import socket
-    import threading
 
-    import hiredis
+    def answer(word: bytes) -> bytes:
+        if word == b"garble":
+            return b"?garbled\r\n"
+        return b"$%d\r\n%s\r\n" % (len(word), word)
 
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    port = server.getsockname()[1]
-    accepted = 0
-
-    def handle(conn: socket.socket) -> None:
-        reader = hiredis.Reader()
-        with conn:
-            while data := conn.recv(65536):
-                reader.feed(data)
-                while (command := reader.gets()) is not False:
-                    word = command[-1]
-                    if word == b"garble":
-                        conn.sendall(b"?garbled\r\n")
-                    else:
-                        conn.sendall(b"$%d\r\n%s\r\n" % (len(word), word))
-
-    def serve() -> None:
-        nonlocal accepted
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = server.accept()
-                accepted += 1
-                threading.Thread(target=handle, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
+    with _answering_server(answer) as (port, accepted):
         pools = pools_for(settings, [f"redis://127.0.0.1:{port}/0"])
         words = ("w0", "garble", "w2")
         got = [sync.fanout(pools, echo_word(word), 1.0)[0] for word in words]
-    finally:
-        server.close()
     assert got[0] == NodeReply(b"w0")
     assert got[1].value is None and "Protocol error" in (got[1].error or ""), got
     assert got[2] == NodeReply(b"w2")
-    assert accepted == 2  # the garbled connection was not used again
+    assert len(accepted) == 2  # the garbled connection was not used again
