@@ -574,8 +574,8 @@ class _Round:
 
     def _quick(self, call: _Call) -> bool | None:
         """The usual reply, in fewer steps: read whole in one go
-        (``wire.read_arrived``), not an error, nothing after it. Say whether it
-        wins; anything else goes to ``_answer`` (None: nothing was read)."""
+        (``wire.read_arrived``), not an error. Say whether it wins; anything else
+        goes to ``_answer`` (None: nothing was read)."""
         conn = call.conn
         try:
             value = _read_arrived(conn)
@@ -589,18 +589,9 @@ class _Round:
             raise
         if value is NOT_READ:
             return None
-        if (
-            value is INCOMPLETE
-            or call.unsure
-            or isinstance(value, Exception)
-            or not _clean(conn)
-        ):
+        if value is INCOMPLETE or call.unsure or isinstance(value, Exception):
             return self._answer(call, False, 0.0, value)
-        idle = call.idle
-        if len(idle.conns) < MAX_IDLE:
-            idle.conns.append(conn)
-        else:
-            conn.disconnect()
+        _give(call.idle, conn)  # dropped if a reply nobody asked for follows
         self.replies[call.index] = NodeReply(value)
         winning = self.step.wins
         return winning is not None and bool(winning(value))
