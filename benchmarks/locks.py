@@ -155,7 +155,7 @@ class RawFloor:
 class ScriptFloor(RawFloor):
     """The raw floor running redlock_django's own scripts: ``ACQUIRE_SCRIPT`` by
     EVALSHA with a token and holder metadata like the library's, then
-    ``RELEASE_SCRIPT`` by EVAL (as the library releases).
+    ``RELEASE_SCRIPT`` by EVALSHA (as the sync driver releases).
 
     The same raw sockets and no Python beyond the floor's: its ratio to the raw
     floor is what the lock's data model costs the nodes, and the library's ratio
@@ -168,19 +168,20 @@ class ScriptFloor(RawFloor):
 
         super().__init__(ports)
         self.acquire_head = b"EVALSHA", ACQUIRE_SCRIPT.sha.encode(), b"1"
-        self.release_head = b"EVAL", RELEASE_SCRIPT.source.encode(), b"1"
+        self.release_head = b"EVALSHA", RELEASE_SCRIPT.sha.encode(), b"1"
         self.ttl = str(TTL_MS).encode()
         self.meta = meta.encode("bench", TTL_MS / 1000, "").encode()
 
     def _load(self) -> str:
-        """Load the acquire script on every node (releases go by EVAL)."""
-        from redlock_django.scripts import ACQUIRE_SCRIPT
+        """Load the acquire and release scripts on every node."""
+        from redlock_django.scripts import ACQUIRE_SCRIPT, RELEASE_SCRIPT
 
         for node in self.nodes:
-            node.send(_resp("SCRIPT", "LOAD", ACQUIRE_SCRIPT.source))
-            header = node.line()  # $40
-            assert header.startswith(b"$"), header
-            node.line()
+            for script in (ACQUIRE_SCRIPT, RELEASE_SCRIPT):
+                node.send(_resp("SCRIPT", "LOAD", script.source))
+                header = node.line()  # $40
+                assert header.startswith(b"$"), header
+                node.line()
         return ACQUIRE_SCRIPT.sha
 
     def try_acquire(self, key: bytes, token: bytes) -> bool:

@@ -124,8 +124,9 @@ def _cases() -> list[Case]:
             lambda i: (f"waiter{i}~{TAG}.1", 10_000, META, WAITER, 3000, 2, "1"),
         ),
     ] + [
-        # The second as the lock sends its releases (sync.py, aio.py): by EVAL,
-        # which Redis hashes whole before it runs it (not in usec_per_call).
+        # The second as the asyncio driver sends its releases (and the sync driver
+        # the source it writes behind an unanswered EVALSHA): by EVAL, which Redis
+        # hashes whole before it runs it (not in usec_per_call).
         Case(
             "queued_release (hand-off" + (", by EVAL)" if by_eval else ")"),
             scripts.QUEUED_RELEASE_SCRIPT,

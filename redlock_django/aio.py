@@ -164,8 +164,10 @@ async def _call(
     to raise: it is not the node's failure."""
     loop = asyncio.get_running_loop()
     tail = (len(step.keys), *step.keys, *step.args)
-    # Clean-ups go as EVAL, as in sync.py: a frozen node may run them after the
-    # caller stopped waiting, when no one would resend the source after NOSCRIPT.
+    # Clean-ups go as EVAL: a frozen node may run them after the caller stopped
+    # waiting, when no one would resend the source after NOSCRIPT, and a call
+    # never writes once its fan-out returned (sync.py writes the source behind an
+    # unanswered EVALSHA instead: ``_Round._behind``).
     by_sha = not step.critical
     #: Sent again after the connection broke once the command was written.
     unsure = False

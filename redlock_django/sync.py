@@ -16,7 +16,7 @@ evidence: the node is marked ``LATE``, which the protocol never counts as an
 outage.
 
 A connection whose reply is still due (a node slower than the quorum, or one that
-timed out) is kept aside owing that one reply, not dropped: before it is reused
+timed out) is kept aside owing that reply, not dropped: before it is reused
 the owed reply is read and thrown away, and a connection whose reply does not come
 within NODE_TIMEOUT is dropped. A late reply can then never reach the next caller,
 and a node a little slower than the others does not cost a new connection (a TLS
@@ -25,7 +25,9 @@ handshake) on every operation. A connection given up on is dropped with a reset
 dropped at once, not kept: a command written into a partition never runs after
 the partition heals. A clean-up's connection given up on is closed in order
 instead: the clean-up still runs when a frozen node resumes or a partition heals
-(``_drop``).
+(``_drop``). Every command goes by EVALSHA; a clean-up a node has not answered
+gets the script's source (EVAL) written behind it, so that a node lacking the
+script still runs it, with nobody left to answer its NOSCRIPT (``_behind``).
 
 How bytes move on one connection is ``wire.py``'s: the fast path reads redis-py
 internals (the socket, to poll() every node at once; the hiredis reader), the
@@ -39,6 +41,7 @@ flow runner), hence about 500 lines.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import select
@@ -113,9 +116,10 @@ class _Idle:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.conns: collections.deque[Any] = collections.deque()
-        #: Connections owing one reply, with the time after which it is given up
-        #: and whether their command may still run after that (``_drop``).
-        self.owed: collections.deque[tuple[Any, float, bool]] = collections.deque()
+        #: Connections owing replies (one, or two: a clean-up's EVAL written
+        #: behind its EVALSHA), with the time after which they are given up and
+        #: whether their commands may still run after that (``_drop``).
+        self.owed: collections.deque[tuple[Any, float, bool, int]] = collections.deque()
         #: When a new connection to this node last timed out while connecting.
         self.stalled_at = -math.inf
 
@@ -166,10 +170,10 @@ def _give(idle: _Idle, conn: Any) -> None:
         conn.disconnect()
 
 
-def _owe(idle: _Idle, conn: Any, until: float, late_ok: bool) -> None:
-    """Keep aside a connection that still owes one reply, until ``until``."""
+def _owe(idle: _Idle, conn: Any, until: float, late_ok: bool, due: int) -> None:
+    """Keep aside a connection that still owes ``due`` replies, until ``until``."""
     if len(idle.owed) < MAX_IDLE:
-        idle.owed.append((conn, until, late_ok))
+        idle.owed.append((conn, until, late_ok, due))
     else:
         _drop(conn, late_ok)
 
@@ -201,19 +205,15 @@ def _settle(idle: _Idle) -> None:
     now = time.monotonic()
     for _ in range(len(owed)):
         try:
-            conn, until, late_ok = owed.popleft()
+            conn, until, late_ok, due = owed.popleft()
         except IndexError:
             return
-        if not _arrived(conn):
-            if now < until:
-                owed.append((conn, until, late_ok))
-            else:
-                _drop(conn, late_ok)
-            continue
         try:
-            _read_response(conn, _MIN_WAIT)
-        except redis.ResponseError:
-            pass  # an error reply (NOSCRIPT, ...) is the owed reply too
+            while due and _arrived(conn):
+                # An error reply (NOSCRIPT, ...) is an owed reply too.
+                with contextlib.suppress(redis.ResponseError):
+                    _read_response(conn, _MIN_WAIT)
+                due -= 1
         except Exception as exc:
             abort(conn)  # read_response() dropped it already, on most errors
             reraise_interruption(exc)
@@ -221,7 +221,12 @@ def _settle(idle: _Idle) -> None:
         except BaseException:
             abort(conn)
             raise
-        _give(idle, conn)
+        if not due:
+            _give(idle, conn)
+        elif now < until:
+            owed.append((conn, until, late_ok, due))
+        else:
+            _drop(conn, late_ok)
 
 
 def _is_tls(conn: Any) -> bool:
@@ -369,7 +374,7 @@ class _Round:
         """Write to the quick path's connections (registered by ``_quiet``), then
         wait on those written; a connection replaced by ``_write`` is waited on by
         its new descriptor."""
-        command = _command(self.step, by_sha=not self.step.critical)
+        command = _command(self.step, by_sha=True)
         packed = self.packed = _pack(calls[0].conn, command)
         # One write(2) per node here (the descriptors are non-blocking: see
         # ``wire.send``); what it did not finish, or could not start, ``_write`` does.
@@ -411,10 +416,9 @@ class _Round:
         """Any fan-out: new connections, ones closed while idle, the portable path."""
         began, pools, replies = self.began, self.pools, self.replies
         step = self.step
-        # Clean-ups go as EVAL: a node that never answers (frozen, then resumed) may
-        # run them long after this call gave up, with nobody left to resend the source
-        # after a NOSCRIPT. Redis caches the script either way.
-        command = _command(step, by_sha=not step.critical)
+        # Every step goes by EVALSHA (a clean-up a node leaves unanswered gets its
+        # source written behind: ``_behind``).
+        command = _command(step, by_sha=True)
         pid = _pid
         sent = self.sent
         taken = [(i, *_take(pools[i], pid)) for i in targets]
@@ -699,11 +703,35 @@ class _Round:
             # A clean-up should run late: closed in order, the kernel delivers it
             # when the partition heals (``_drop``), as the asyncio driver does.
             owes = finished and (why == UNAWAITED or not in_flight(call.conn))
+            due = 1
+            if finished and critical and not call.resent:
+                if not self._behind(call):
+                    owes = False  # what it holds is unknown: closed in order
+                due = 2
             if owes:
-                # One reply still due on it.
-                _owe(call.idle, call.conn, until, critical)
+                _owe(call.idle, call.conn, until, critical, due)
             else:
                 _drop(call.conn, finished and critical)
+
+    def _behind(self, call: _Call) -> bool:
+        """Write a clean-up's source (EVAL) behind the EVALSHA a silent node has
+        not answered, and say whether it went out whole.
+
+        The node may run them long after this fan-out gave up (frozen, then
+        resumed), with nobody left to answer a NOSCRIPT: one lacking the script
+        answers the EVALSHA NOSCRIPT, to nobody, and runs the EVAL; one that ran
+        the EVALSHA has nothing left for the EVAL to undo. (Clean-ups undo their
+        own token only, so each is harmless after the other.) A clean-up whose
+        NOSCRIPT was answered in time went out as EVAL already (``_answer``).
+        """
+        conn = call.conn
+        try:
+            packed = _pack(conn, _command(self.step, by_sha=False))
+            conn.send_packed_command(packed, check_health=False)
+        except Exception as exc:
+            reraise_interruption(exc)
+            return False
+        return True
 
 
 def fanout(

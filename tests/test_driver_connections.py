@@ -66,9 +66,11 @@ WAIT_ALL_TIMEOUT = 2.0
 ECHO_SCRIPT = Script("echo", "return ARGV[1]")
 
 
-def echo(n: int) -> Fanout:
+def echo(n: int, critical: bool = False) -> Fanout:
     need = 0 if n % WAIT_ALL_EVERY == WAIT_ALL_EVERY - 1 else 3
-    return Fanout(ECHO_SCRIPT, ("echo",), (f"call-{n}",), need=need, wins=bool)
+    return Fanout(
+        ECHO_SCRIPT, ("echo",), (f"call-{n}",), need=need, wins=bool, critical=critical
+    )
 
 
 def deadline(n: int) -> float:
@@ -98,16 +100,18 @@ def slow_fifth(settings: Any, nodes: NodeSet) -> Any:
         yield proxy
 
 
+@pytest.mark.parametrize("critical", [False, True], ids=["step", "clean-up"])
 def test_sync_driver_keeps_the_connection_of_a_node_slower_than_the_quorum(
-    slow_fifth: FaultProxy,
+    slow_fifth: FaultProxy, critical: bool
 ) -> None:
     """400 fan-outs decided without the slow node open a few connections to it,
-    not one each, and every call reads its own reply."""
+    not one each, and every call reads its own reply. A clean-up's connection owes
+    two: the source is written behind the EVALSHA the slow node had not answered."""
     config = get_settings()
     pools = node_pools.sync_pools(config.nodes, config.node_timeout)
     unawaited = 0
     for n in range(FANOUTS):
-        replies = sync.fanout(pools, echo(n), deadline(n))
+        replies = sync.fanout(pools, echo(n, critical), deadline(n))
         check(n, replies)
         unawaited += replies[4].value is None
     assert unawaited > LEFT_BEHIND  # the slow node really was left behind
@@ -342,7 +346,10 @@ def test_a_release_whose_reply_is_cut_by_a_reset_is_not_reported_as_a_lost_lock(
     import threading
 
     from redlock_django import LockError, Redlock
+    from redlock_django.scripts import RELEASE_SCRIPT
 
+    # The sync driver releases by EVALSHA, the asyncio driver by EVAL.
+    release = RELEASE_SCRIPT.sha.encode() if driver == "sync" else b"$4\r\nEVAL\r\n"
     with FaultProxy(nodes.ports[0]) as p0, FaultProxy(nodes.ports[1]) as p1:
         lock = Redlock(
             f"driver:release-reset-{driver}",
@@ -360,7 +367,7 @@ def test_a_release_whose_reply_is_cut_by_a_reset_is_not_reported_as_a_lost_lock(
         async def in_a_task() -> None:
             assert await lock.aacquire(blocking=False)
             for proxy in (p0, p1):
-                proxy.hold_reply_to(b"$4\r\nEVAL\r\n", count=1)
+                proxy.hold_reply_to(release, count=1)
             cutter.start()
             await lock.arelease()
 
@@ -369,7 +376,7 @@ def test_a_release_whose_reply_is_cut_by_a_reset_is_not_reported_as_a_lost_lock(
             if driver == "sync":
                 assert lock.acquire(blocking=False)
                 for proxy in (p0, p1):
-                    proxy.hold_reply_to(b"$4\r\nEVAL\r\n", count=1)
+                    proxy.hold_reply_to(release, count=1)
                 cutter.start()
                 lock.release()
             else:
