@@ -209,7 +209,11 @@ def _settle(idle: _Idle) -> None:
         except IndexError:
             return
         try:
-            while due and _arrived(conn):
+            # ``while True`` with a guard: Python 3.13 leaves a ``while`` condition's
+            # back-edge outside this ``try`` (tests/test_back_edges.py).
+            while True:
+                if not due or not _arrived(conn):
+                    break
                 # An error reply (NOSCRIPT, ...) is an owed reply too.
                 with contextlib.suppress(redis.ResponseError):
                     _read_response(conn, _MIN_WAIT)
