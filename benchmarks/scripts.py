@@ -82,13 +82,19 @@ def _cases() -> list[Case]:
         r.pexpire(f"{LOCK}:{i}", 60_000)
 
     def queued(r: redis.Redis, i: int) -> None:
-        # A foreign holder; our waiter second in line with its ticket (a refresh).
+        # A foreign holder; our waiter second in line with its ticket and the
+        # record of its last attempt (a refresh), the keys as a refresh a moment
+        # ago left them (lives of 4 x the entry's 3 s).
         now = int(r.time()[0]) * 1000
         r.hset(LOCK, mapping={"token": "holder.1", "meta": META})
         r.pexpire(LOCK, 60_000)
         r.zadd(QUEUE, {HOLDER: 1, WAITER: 2})
         r.zadd(WAITERS, {HOLDER: now + 60_000, WAITER: now + 60_000})
         r.set(TICKETS, 2)
+        r.delete(RECORDS)
+        r.zadd(RECORDS, {f"{WAITER}|waiter{i}~{TAG}.0|{now}|10000|-|{META}": 0})
+        for key in (QUEUE, WAITERS, TICKETS, RECORDS):
+            r.pexpire(key, 12_000)
 
     def handing(r: redis.Redis, i: int) -> None:
         # Our holder first in line, a waiter behind it with a hand-off record.

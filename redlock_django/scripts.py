@@ -319,8 +319,9 @@ FAIR_ACQUIRE_SCRIPT = Script(
     + _NOW_MS
     + _RECORDS
     + """
-local function refuse(code)
+local function refuse(code, head, head_until)
   local life = tonumber(ARGV[5])
+  local moved = false
   local ticket = tonumber(redis.call('zscore', KEYS[2], ARGV[4]) or '0')
   if life > 0 then
     local mine = tonumber(ARGV[6] or '0')
@@ -332,35 +333,54 @@ local function refuse(code)
           redis.call('set', KEYS[4], drawn)
         end
         ticket = mine
+        moved = true
       end
     elseif ticket == 0 then
       ticket = redis.call('incr', KEYS[4])
       redis.call('zadd', KEYS[2], string.format('%d', ticket), ARGV[4])
     end
     redis.call('zadd', KEYS[3], string.format('%d', now + life), ARGV[4])
-    for i = 2, 4 do
-      redis.call('pexpire', KEYS[i], string.format('%d', life * 4))
+    -- The three keys' lives are renewed together, to 4 x life, once what is left
+    -- of the queue's falls below 3 x life (or it has none): one PTTL per refresh
+    -- instead of three PEXPIREs.
+    if redis.call('pttl', KEYS[2]) < life * 3 then
+      for i = 2, 4 do
+        redis.call('pexpire', KEYS[i], string.format('%d', life * 4))
+      end
     end
   end
   if ARGV[7] == '1' and ticket > 0 then
     -- What a release needs to hand the lock to this attempt (QUEUED_RELEASE): a
-    -- record rewritten by every refused attempt, so it names the last one.
-    local had = drop_record(KEYS[5], ARGV[4])
+    -- record rewritten by every refused attempt, so it names the last one. The
+    -- new one is added before the old one goes: a waiter's only record never
+    -- empties the key, which keeps its life.
+    local had = record_of(KEYS[5], ARGV[4])
     if life > 0 or had then
       local fenced = KEYS[6] and 'f' or '-'
-      redis.call('zadd', KEYS[5], '0', ARGV[4] .. '|' .. ARGV[1] .. '|'
-        .. string.format('%d', now) .. '|' .. ARGV[2] .. '|' .. fenced .. '|'
-        .. ARGV[3])
+      local member = ARGV[4] .. '|' .. ARGV[1] .. '|' .. string.format('%d', now)
+        .. '|' .. ARGV[2] .. '|' .. fenced .. '|' .. ARGV[3]
+      redis.call('zadd', KEYS[5], '0', member)
+      if had and had ~= member then
+        redis.call('zrem', KEYS[5], had)
+      end
     end
-    if life > 0 then
+    -- Renewed as the queue's are: a new key (no record was there to drop), or
+    -- what is left of its life below 3 x life.
+    if life > 0 and (not had or redis.call('pttl', KEYS[5]) < life * 3) then
       redis.call('pexpire', KEYS[5], string.format('%d', life * 4))
     end
   end
   local rank = redis.call('zrank', KEYS[2], ARGV[4]) or -1
-  local first = redis.call('zrange', KEYS[2], '0', '0')[1]
   local left = -1
-  if first then
-    left = tonumber(redis.call('zscore', KEYS[3], first) or '0') - now
+  if head and head ~= ARGV[4] and not moved then
+    -- The live head read before: this call wrote no entry ahead of it (a drawn
+    -- ticket comes after every ticket on this node) and touched only our own.
+    left = head_until - now
+  else
+    local first = redis.call('zrange', KEYS[2], '0', '0')[1]
+    if first then
+      left = tonumber(redis.call('zscore', KEYS[3], first) or '0') - now
+    end
   end
   return {code, ticket, rank, left}
 end
@@ -373,7 +393,7 @@ local q, w, h = 2, 3, 5
     + _LIVE_HEAD_AT_NOW
     + """
 if (capped or (head and head ~= ARGV[4])) and not owner then
-  return refuse(-2)
+  return refuse(-2, not capped and head, head_until)
 end
 """
     + _grant(6),

@@ -214,6 +214,49 @@ def test_a_release_tells_only_the_process_of_the_waiter_it_names(
     assert all(channels[waiter] == channel for channel, waiter in named), named
 
 
+@pytest.mark.parametrize(
+    "ours, expected",
+    [
+        # (our entry's ticket on the node, or None; what the attempt gives) ->
+        # (the rank it is told, whose entry's life it is told: the first's or ours)
+        ((2, 2), (1, "first")),  # a refresh behind the first
+        ((None, 0), (1, "first")),  # a first attempt: draws a ticket after it
+        ((None, 1), (0, "ours")),  # a ticket drawn elsewhere puts us first
+    ],
+    ids=["refresh", "draw", "earlier-ticket"],
+)
+def test_a_refused_fair_attempt_is_told_its_rank_and_the_first_entrys_life(
+    nodes: NodeSet, ours: tuple[int | None, int], expected: tuple[int, str]
+) -> None:
+    """FAIR_ACQUIRE on a free lock whose first live entry is another waiter's
+    (its entry 1.5 s from expiry): the refusal (-2) tells the waiter its rank and
+    how long the first entry has left, from the head it read, unless its own
+    entry, written with an earlier ticket, became the first."""
+    client = nodes[0].client()
+    lock, (queue, waiters, tickets), records = (
+        lock_key("fair:told", "redlock"),
+        queue_keys("fair:told", "redlock"),
+        handoff_key("fair:told", "redlock"),
+    )
+    seconds, micros = client.time()
+    now = seconds * 1000 + micros // 1000
+    client.zadd(queue, {"first:01": 2 if ours[0] is None else 1})
+    client.zadd(waiters, {"first:01": now + 1500})
+    client.set(tickets, 2)
+    if ours[0] is not None:
+        client.zadd(queue, {"ours:02": ours[0]})
+        client.zadd(waiters, {"ours:02": now + 1500})
+    keys = (lock, queue, waiters, tickets, records)
+    args = ("base.1", 10_000, "{}", "ours:02", 3000, ours[1], "1")
+    client.script_load(FAIR_ACQUIRE_SCRIPT.source)
+    reply = client.evalsha(FAIR_ACQUIRE_SCRIPT.sha, len(keys), *keys, *args)
+    code, ticket, rank, left = reply
+    assert code == -2 and ticket > 0 and rank == expected[0]
+    life = 1500 if expected[1] == "first" else 3000
+    assert life - 200 < left <= life, left
+    assert client.exists(lock) == 0
+
+
 def test_a_newcomer_does_not_take_a_free_lock_from_a_queued_waiter(
     redlock_settings: dict[str, Any], line_up: Callable[..., Any]
 ) -> None:
@@ -265,6 +308,37 @@ def test_waiting_fair_waiters_keep_their_places_fresh_with_their_attempts(
     assert enqueues == [], enqueues[:3]
     holder.release()
     assert [result(proc)["event"] for proc in procs] == ["acquired"] * 2
+
+
+def test_a_waiters_attempts_renew_the_queue_keys_once_they_fall_below_three_lives(
+    redlock_settings: dict[str, Any], nodes: NodeSet, line_up: Callable[..., Any]
+) -> None:
+    """The queue's keys live 4 x QUEUE_LIFE from a renewal; a waiter's attempt
+    renews them only once less than 3 x QUEUE_LIFE is left (one PTTL, not a
+    PEXPIRE per key per attempt). Keys cut short from outside, as if near the end
+    of their life, are renewed by the next attempts; between renewals, attempts
+    leave their lives running down."""
+    holder, [proc] = line_up("fair:keys-life", "a", 0.05)
+    keys = (
+        *queue_keys("fair:keys-life", "redlock"),
+        handoff_key("fair:keys-life", "redlock"),
+    )
+    full, renew_below = 4 * QUEUE_LIFE * 1000, 3 * QUEUE_LIFE * 1000
+
+    def lives() -> list[int]:
+        return [int(node.client().pttl(key)) for node in nodes for key in keys]
+
+    for node in nodes:
+        for key in keys:
+            assert node.client().pexpire(key, 300), (node, key)
+    time.sleep(0.6)  # past the 300 ms: only renewals keep the keys
+    renewed = lives()
+    assert all(renew_below < life <= full for life in renewed), renewed
+    time.sleep(0.6)  # a dozen attempts later, none below 3 lives: no renewal
+    later = lives()
+    assert all(renew_below < life <= full - 400 for life in later), later
+    holder.release()
+    assert result(proc)["event"] == "acquired"
 
 
 @pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
