@@ -94,9 +94,16 @@ class _Watch:
     def __init__(self, channel: bytes, waiter: str | None = None) -> None:
         self.channel = channel
         self.waiter = waiter.encode() if waiter else None
-        #: Set until a node confirms the subscription: the waiter's last attempt
-        #: ran before it could hear a release, so the confirmation wakes it once.
+        #: Set until the subscription is confirmed: the waiter's last attempt ran
+        #: before it could hear a release, so the confirmation wakes it once
+        #: (``Hub.confirmed``).
         self.fresh = True
+        #: Set until every node confirmed it: a release that reached a node
+        #: before the node took the subscription told nobody there, and the
+        #: majority of reports it needs may never come. The confirmation that
+        #: completes the set wakes it (again, if ``GRACE`` ran out before): its
+        #: attempt finds the lock free on each node where that release was lost.
+        self.partial = True
         #: A release's hand-off to this waiter: node index -> the message's
         #: details, set before the wake-up that delivers it.
         self.handed: dict[int, str] | None = None
@@ -200,6 +207,9 @@ class Hub:
         #: (channel, release id) -> monotonic time by which a release heard from
         #: fewer than a majority wakes the waiters it named anyway (``GRACE``)
         self._partial: dict[tuple[bytes, bytes], float] = {}
+        #: Channels confirmed by some nodes, not all: when their fresh waiters
+        #: are woken all the same (``confirmed``).
+        self._confirming: dict[bytes, float] = {}
         #: (channel, release id, waiter) -> node index -> the hand-off details
         #: of a release not yet heard from a majority (see ``deliver``)
         self._handed: dict[tuple[bytes, bytes, bytes], dict[int, str]] = {}
@@ -242,8 +252,9 @@ class Hub:
                 if reader is None:
                     new = True
                     reader = self._reader = Reader(self)
-                if any(channel in link.subscribed for link in reader.links):
-                    watch.fresh = False
+                heard = [channel in link.subscribed for link in reader.links]
+                watch.fresh = not any(heard)
+                watch.partial = not all(heard)
             if new:
                 reader.start()
         except BaseException as exc:
@@ -367,12 +378,25 @@ class Hub:
             return False
 
     def confirmed(self, channel: bytes) -> None:
-        """A node confirmed ``channel``: wake its waiters that could not yet hear."""
+        """A node confirmed ``channel``: once every node has, wake its waiters
+        that could not hear them all yet; until then, wake those that could hear
+        none ``GRACE`` after the first confirmation (``overdue``: a node that is
+        down never confirms). One wake-up, not one per node, in the common case."""
+        reader = self._reader
+        complete = reader is not None and all(
+            channel in link.subscribed for link in reader.links
+        )
+        woken = []
         with self._lock:
-            fresh = [w for w in self._watches.get(channel, ()) if w.fresh]
-            for watch in fresh:
-                watch.fresh = False
-        for watch in fresh:
+            watches = self._watches.get(channel, ())
+            if complete:
+                self._confirming.pop(channel, None)
+                woken = [w for w in watches if w.fresh or w.partial]
+                for watch in woken:
+                    watch.fresh = watch.partial = False
+            elif any(w.fresh for w in watches):
+                self._confirming.setdefault(channel, time.monotonic() + GRACE)
+        for watch in woken:
             watch.fire()
 
     def deliver(self, channel: bytes, message: bytes, index: int) -> None:
@@ -464,16 +488,27 @@ class Hub:
 
     def overdue(self) -> float | None:
         """Wake the waiters named by releases heard from too few nodes for
-        ``GRACE``; return when the next such release is due, if any.
+        ``GRACE``, and the fresh waiters of channels some node has not confirmed
+        for as long (``confirmed``); return when the next such wake-up is due.
 
         The release stays open: should its majority still come, it wakes them
         again (one attempt too many, where a missed wake-up would cost a wait).
         """
-        if not self._partial:
+        if not self._partial and not self._confirming:
             return None
         now = time.monotonic()
         woken = []
         with self._lock:
+            for channel, due in list(self._confirming.items()):
+                if due > now:
+                    continue
+                # Some node still has not confirmed: wake the waiters that heard
+                # none yet; the confirmation that completes the set wakes them again.
+                del self._confirming[channel]
+                fresh = [w for w in self._watches.get(channel, ()) if w.fresh]
+                for watch in fresh:
+                    watch.fresh = False
+                woken += fresh
             for key, due in list(self._partial.items()):
                 if due > now:
                     continue
@@ -490,7 +525,9 @@ class Hub:
                 woken += [
                     w for w in self._watches.get(channel, ()) if w.waiter in names
                 ]
-            left = min(self._partial.values(), default=None)
+            left = min(
+                [*self._partial.values(), *self._confirming.values()], default=None
+            )
         for watch in woken:
             watch.fire()
         return left

@@ -157,6 +157,77 @@ def test_a_release_reaching_the_nodes_at_different_times_still_wakes_the_waiter(
         assert got["wakeups"] == got["attempts"] - 1, "a wait ran out: nothing woke it"
 
 
+def test_a_release_crossing_the_waiters_subscription_still_wakes_it(
+    redlock_settings: dict[str, Any],
+    nodes: NodeSet,
+    acquisitions: list[dict[str, Any]],
+) -> None:
+    """A release that reaches nodes while the waiter's subscription is still
+    being confirmed: nodes 2-4 run it before they take the SUBSCRIBE (their
+    messages go to nobody), node 0 tells the waiter, node 1 only once all five
+    listen. Two reports of five are no majority; the confirmation that completes
+    the subscription must wake the waiter, whose attempt then finds the lock
+    free on nodes 0, 2, 3 and 4, or it sleeps out its 30 s retry."""
+    with contextlib.ExitStack() as stack:
+        late_subscribe = [
+            stack.enter_context(FaultProxy(node.port)) for node in list(nodes)[2:]
+        ]
+        late_release = stack.enter_context(FaultProxy(nodes[1].port))
+        waiter_urls = [nodes[0].url, nodes[1].url] + [p.url for p in late_subscribe]
+        holder_urls = [nodes[0].url, late_release.url] + [n.url for n in nodes[2:]]
+        holder = Redlock("wake:crossing", nodes=holder_urls)
+        assert holder.acquire(blocking=False)
+        waiter = Redlock(
+            "wake:crossing", nodes=waiter_urls, retry_delay=SLOW_RETRY, retry_jitter=0
+        )
+        assert waiter._resolve().spec.key == holder._resolve().spec.key
+        config = waiter._resolve()
+        hub = wake.hub(nodes_module.sync_pools(config.nodes, config.node_timeout))
+        channel = config.spec.key.encode()
+        stats = nodes[0].client().info("commandstats")
+        tried = sum(
+            stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("eval", "evalsha")
+        )
+
+        def attempts_on_node_0() -> int:
+            stats = nodes[0].client().info("commandstats")
+            return (
+                sum(
+                    stats.get(f"cmdstat_{c}", {}).get("calls", 0)
+                    for c in ("eval", "evalsha")
+                )
+                - tried
+            )
+
+        for proxy in late_subscribe:
+            proxy.hold_request(b"SUBSCRIBE")
+        results: list[bool] = []
+        thread = _waiter(waiter, results, timeout=8)
+        wait_for(
+            lambda: all(p.wait_for_held(0) for p in late_subscribe), "SUBSCRIBEs held"
+        )
+        wait_for(
+            lambda: hub.listening(0, channel) and hub.listening(1, channel),
+            "0, 1 listen",
+        )
+        # The first confirmation woke the waiter once: its attempt is refused too.
+        wait_for(lambda: attempts_on_node_0() >= 2, "the waiter's second attempt")
+        wait_for(lambda: hub.waiting(channel) == 1, "the waiter waits")
+        late_release.hold_request(holder._resolve().spec.key.encode())
+        holder.release()  # nodes 0, 2, 3, 4: a majority; node 1's is held back
+        for proxy in late_subscribe:
+            proxy.deliver_held()
+        wait_for(
+            lambda: all(hub.listening(i, channel) for i in range(len(nodes))),
+            "every node confirms the subscription",
+        )
+        late_release.deliver_held()
+        thread.join(timeout=12)
+        assert results == [True]
+        got = acquisitions[-1]
+        assert got["wakeups"] == got["attempts"] - 1, "a wait ran out: nothing woke it"
+
+
 def test_many_waiting_resources_share_one_subscriber_connection_per_node(
     redlock_settings: dict[str, Any], nodes: NodeSet
 ) -> None:
