@@ -47,6 +47,20 @@ def _waiter(lock: Redlock, results: list[bool], **kwargs: Any) -> threading.Thre
     return thread
 
 
+def _assert_each_wait_woken(
+    thread: threading.Thread,
+    results: list[bool],
+    acquisitions: list[dict[str, Any]],
+    timeout: float,
+) -> None:
+    """The waiter ``thread`` got the lock, and no wait between its attempts ran
+    out: each ended by a wake-up."""
+    thread.join(timeout=timeout)
+    assert results == [True]
+    got = acquisitions[-1]
+    assert got["wakeups"] == got["attempts"] - 1, "a wait ran out: nothing woke it"
+
+
 def test_waiter_is_woken_by_the_release_instead_of_sleeping_out_its_retry_delay(
     redlock_settings: dict[str, Any], acquisitions: list[dict[str, Any]]
 ) -> None:
@@ -151,10 +165,7 @@ def test_a_release_reaching_the_nodes_at_different_times_still_wakes_the_waiter(
         for proxy in slow:
             proxy.delay(0, requests=0.05)
         holder.release()
-        thread.join(timeout=10)
-        assert results == [True]
-        got = acquisitions[-1]
-        assert got["wakeups"] == got["attempts"] - 1, "a wait ran out: nothing woke it"
+        _assert_each_wait_woken(thread, results, acquisitions, 10)
 
 
 def test_a_release_crossing_the_waiters_subscription_still_wakes_it(
@@ -222,10 +233,7 @@ def test_a_release_crossing_the_waiters_subscription_still_wakes_it(
             "every node confirms the subscription",
         )
         late_release.deliver_held()
-        thread.join(timeout=12)
-        assert results == [True]
-        got = acquisitions[-1]
-        assert got["wakeups"] == got["attempts"] - 1, "a wait ran out: nothing woke it"
+        _assert_each_wait_woken(thread, results, acquisitions, 12)
 
 
 def test_many_waiting_resources_share_one_subscriber_connection_per_node(
@@ -478,10 +486,7 @@ def test_a_wake_up_that_arrives_a_byte_at_a_time_still_wakes_the_waiter(
             "every node's confirmation, read a byte at a time",
         )
         holder.release()
-        thread.join(timeout=25)
-        assert results == [True]
-        got = acquisitions[-1]
-        assert got["wakeups"] == got["attempts"] - 1, "a wait ran out: nothing woke it"
+        _assert_each_wait_woken(thread, results, acquisitions, 25)
 
 
 @pytest.mark.parametrize("mode", ["threads", "threads and tasks"])
