@@ -656,6 +656,10 @@ class Contended:
     gaps: list[float] = field(default_factory=list, repr=False)
     #: Handoffs/s of each round, when this result pools several.
     rounds: list[float] = field(default_factory=list)
+    #: Share of the host's CPU time taken by the hypervisor (steal) during the run,
+    #: or during each round when pooled: NaN where /proc/stat does not say.
+    steal: float = float("nan")
+    steals: list[float] = field(default_factory=list)
 
     @property
     def acq_per_s(self) -> float:
@@ -692,6 +696,7 @@ class Contended:
             pooled.attempts.extend(r.attempts)
             pooled.gaps.extend(r.gaps)
             pooled.rounds.append(r.handoffs_per_s)
+            pooled.steals.append(r.steal)
             pooled.shares = [
                 a + b for a, b in zip(pooled.shares, r.shares, strict=True)
             ]
@@ -708,12 +713,37 @@ class Contended:
         return pooled
 
 
+def _cpu_times() -> list[int] | None:
+    """The host's CPU time counters (/proc/stat's ``cpu`` line), or None."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return [int(f) for f in fields[1:]]
+
+
+def _steal(before: list[int] | None, after: list[int] | None) -> float:
+    """The share of CPU time stolen by the hypervisor between two readings: a
+    round run while other guests took the host's cores is slow for that reason,
+    not for its contestant's."""
+    if before is None or after is None:
+        return float("nan")
+    total = sum(after[:8]) - sum(before[:8])  # guest time is counted in user
+    if total <= 0:
+        return float("nan")
+    return (after[7] - before[7]) / total
+
+
 def run_contended(
     kind: str, label: str, ports: Sequence[int], urls: Sequence[str], seconds: float
 ) -> Contended:
     key = f"c:{kind.replace(' ', '-')}:{len(ports)}:{secrets.token_hex(4)}"
     context = multiprocessing.get_context("fork")
     start = time.monotonic() + 0.5
+    before = _cpu_times()
     pipes, procs = [], []
     for ident in range(CONTENDERS):
         parent_end, child_end = context.Pipe(duplex=False)
@@ -741,6 +771,7 @@ def run_contended(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+    result.steal = _steal(before, _cpu_times())
     events: list[tuple[float, float, int]] = []
     result.shares = [0] * CONTENDERS
     for report in reports:
@@ -778,6 +809,7 @@ def _describe(result: Contended) -> str:
             if result.attempts
             else ""
         )
+        + (f" host steal {result.steal:.0%}" if result.steal == result.steal else "")
     )
 
 
@@ -1074,7 +1106,23 @@ def _per_round(a: Contended, b: Contended) -> str:
     ratios = " / ".join(
         f"{x / y:.2f}" if y else "-" for x, y in zip(a.rounds, b.rounds, strict=True)
     )
-    return f"; per round {ratios}x"
+    return f"; per round {ratios}x{_stolen(a, b)}"
+
+
+#: Host steal above this share in a round is named next to its ratio.
+NOISY_STEAL = 0.05
+
+
+def _stolen(a: Contended, b: Contended) -> str:
+    """The larger host steal of ``a``'s and ``b``'s runs, round by round, when
+    some round had more than ``NOISY_STEAL``: its ratio says little."""
+    if len(a.steals) != len(a.rounds) or len(b.steals) != len(b.rounds):
+        return ""
+    worst = [max(x, y) for x, y in zip(a.steals, b.steals, strict=True)]
+    if not any(w >= NOISY_STEAL for w in worst):  # NaN compares False
+        return ""
+    shown = " / ".join("-" if w != w else f"{w:.0%}" for w in worst)
+    return f" (host steal {shown})"
 
 
 def targets(
