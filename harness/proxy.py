@@ -483,6 +483,15 @@ class FaultProxy:
             floor = self.requests if since is None else since
             return self._stats.wait_for(lambda: self.requests > floor, timeout)
 
+    def wait_for_reply_bytes(self, count: int, timeout: float = CALL_TIMEOUT) -> bool:
+        """Wait until ``count`` reply bytes were delivered to clients; return whether.
+
+        A client may read a reply before the proxy counts it: the count follows the
+        write on the proxy's own thread.
+        """
+        with self._stats:
+            return self._stats.wait_for(lambda: self.reply_bytes >= count, timeout)
+
     # Internals, run on the loop's thread.
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float = CALL_TIMEOUT) -> T:

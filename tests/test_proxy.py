@@ -68,7 +68,9 @@ def test_pass_through_relays_commands_to_the_node(
     assert proxy.connections == 1
     assert proxy.requests == 2
     assert proxy.request_bytes == proxy.received_bytes > 0
-    assert proxy.reply_bytes == len(b"+PONG\r\n+OK\r\n")
+    replies = len(b"+PONG\r\n+OK\r\n")
+    assert proxy.wait_for_reply_bytes(replies), proxy.reply_bytes
+    assert proxy.reply_bytes == replies
 
 
 def test_delay_adds_at_least_the_delay_to_each_round_trip(proxy: FaultProxy) -> None:
