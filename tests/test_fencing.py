@@ -219,7 +219,12 @@ async def test_async_successive_acquisitions_get_strictly_increasing_tokens(
             assert isinstance(token, int)
             tokens.append(token)
     assert_strictly_increasing(tokens)
-    assert counters(nodes) == [tokens[-1]] * 5
+    # A majority holds the last token; a node whose reply came after the fan-out
+    # stopped waiting (a loaded host) may have had a later write skipped, and
+    # lags behind, never ahead.
+    counted = counters(nodes)
+    assert counted.count(tokens[-1]) >= 3, counted
+    assert all(c is not None and c <= tokens[-1] for c in counted), counted
 
 
 def test_tokens_strictly_increase_across_acquisitions_won_by_different_majorities(

@@ -352,12 +352,15 @@ class RedisNode:
     def _answers_as(self, pid: int) -> bool:
         # Check the PID too: another server that already held the port could
         # answer PING while ours fails to bind.
+        # And done loading its append-only file: INFO answers while it loads, but
+        # other commands get BusyLoadingError until it is done.
         try:
             with self.client(socket_timeout=0.2, socket_connect_timeout=0.2) as c:
                 info = c.info("server")
+                loading = c.info("persistence").get("loading")
         except (redis.ConnectionError, redis.TimeoutError):
             return False
-        return bool(info.get("process_id") == pid)
+        return bool(info.get("process_id") == pid) and not loading
 
     def _reap(self) -> None:
         if self._process is not None and self._process.poll() is None:
