@@ -22,7 +22,7 @@ import redis
 
 from harness.held import held_on, lock_key
 from harness.nodes import NodeSet, RedisNodeError
-from redlock_django import QuorumUnavailableError, Redlock, listing, signals, wake
+from redlock_django import QuorumUnavailableError, Redlock, listing, signals
 from redlock_django import conf as redlock_conf
 from redlock_django import nodes as node_pools
 from redlock_django.address import parse_node
@@ -33,6 +33,7 @@ from tests._tls import (
     TLSUnavailableError,
     make_certificates,
 )
+from tests.test_fair import _heard_from_the_start
 
 # Generous for a 2-core machine shared with other test runs. A new TLS connection
 # costs 30-60 ms of CPU in redis-py (a fresh SSLContext loading the system CAs),
@@ -415,24 +416,20 @@ def test_documented_app_user_can_queue_for_a_fair_lock_and_be_served(
         with Redlock("acl:fair", fencing=True, retry_delay=30.0) as lock:
             got.append(lock.fencing_token)
 
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    queue = queue_keys("acl:fair", "redlock")[0]
-    deadline = time.monotonic() + 5
-    while not all(a.zcard(queue) for a in acl_nodes):
-        assert time.monotonic() < deadline, "the waiter never queued"
-        time.sleep(0.01)
-    # And listening: released before its subscription is confirmed, the hand-off
-    # goes unheard and the waiter takes the lock with a later attempt (and the
-    # next token), the documented fallback (tests/test_fair.py waits the same).
-    config = holder._resolve()
-    hub = wake.hub(node_pools.sync_pools(config.nodes, config.node_timeout))
-    channel = (config.spec.wake_head + wake.process_tag()).encode()
-    while not all(hub.listening(i, channel) for i in range(len(config.nodes))):
-        assert time.monotonic() < deadline, "the waiter's channel was never confirmed"
-        time.sleep(0.01)
-    holder.release()
-    waiter.join(timeout=10)
+    # Listening before it waits: a waiter whose subscription is confirmed while it
+    # waits is woken into one more attempt, which can cross the release and take
+    # the handed key itself (the next token), the documented fallback.
+    with _heard_from_the_start(holder) as waits:
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        queue = queue_keys("acl:fair", "redlock")[0]
+        deadline = time.monotonic() + 5
+        while not all(a.zcard(queue) for a in acl_nodes):
+            assert time.monotonic() < deadline, "the waiter never queued"
+            time.sleep(0.01)
+        waits()
+        holder.release()
+        waiter.join(timeout=10)
     signals.lock_acquired.disconnect(on_acquired)
     assert got == [2]  # woken by the release (not its 30 s retry), the next token
     # Handed over by the release, and the hand-off records gone with their waiter.
