@@ -23,6 +23,7 @@ __all__ = [
     "lock_key",
     "lock_pattern",
     "queue_keys",
+    "waiting_key",
     "wake_head",
 ]
 
@@ -101,6 +102,12 @@ def queue_keys(resource: str, prefix: str) -> tuple[str, str, str]:
         f"{prefix}:waiters:{name}",
         f"{prefix}:ticket:{name}",
     )
+
+
+def waiting_key(resource: str, prefix: str) -> str:
+    """The waiting list of a lock that is not fair: the waiters a release may
+    wake by name (``scripts._WAITING``)."""
+    return f"{prefix}:waiting:{key_name(resource)}"
 
 
 def handoff_key(resource: str, prefix: str) -> str:

@@ -16,7 +16,14 @@ from typing import Any
 
 from .address import NodeSpec
 from .conf import RedlockSettings
-from .keys import fence_key, handoff_key, lock_key, queue_keys, wake_head
+from .keys import (
+    fence_key,
+    handoff_key,
+    lock_key,
+    queue_keys,
+    waiting_key,
+    wake_head,
+)
 from .protocol import LockSpec, drift, validity
 
 __all__ = ["Config", "resolve"]
@@ -161,6 +168,9 @@ def _resolve(shared: _Merged, resource: str, fencing: bool) -> Config:
         wake_head=wake_head(prefix) if merged.fair else "",
         records=handoff_key(resource, prefix) if merged.fair else "",
         handoff=merged.fair and merged.handoff and merged.wake_ups,
+        waiting=(
+            waiting_key(resource, prefix) if merged.wake_ups and not merged.fair else ""
+        ),
     )
     return Config(
         spec=spec,

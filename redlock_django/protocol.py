@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -47,6 +48,7 @@ from .scripts import (
     PTTL_SCRIPT,
     QUEUED_RELEASE_SCRIPT,
     RELEASE_SCRIPT,
+    WITHDRAW_SCRIPT,
     Script,
 )
 
@@ -181,7 +183,8 @@ class Sleep:
 
     seconds: float
     wake: str | None = None
-    #: A fair lock's waiter id: a release that names another waiter passes it by.
+    #: The waiter's id (a fair lock's, or one on a lock's waiting list): a
+    #: release that names another waiter passes it by.
     waiter: str | None = None
     #: Clock time of the attempt this wait follows: a release announced after it
     #: and before the driver started listening still ends the wait at once.
@@ -222,6 +225,9 @@ class LockSpec:
     #: waiter), and whether its releases hand over (``HANDOFF``).
     records: str = ""
     handoff: bool = False
+    #: A lock that is not fair: the key of its waiting list, so that a release
+    #: wakes one waiter by name (``scripts._WAITING``); "" without wake-ups.
+    waiting: str = ""
     #: The majority of the nodes, computed once (every step of a flow reads it).
     quorum: int = field(init=False, repr=False, compare=False)
 
@@ -347,7 +353,8 @@ def release_id(token: str, attempt: int = 0) -> str:
 
 
 def waiter_id(token: str) -> str:
-    """Name an acquisition in a fair lock's queue: a short hash, never the token.
+    """Name an acquisition in a fair lock's queue, or on a lock's waiting list: a
+    short hash, never the token.
 
     ``token`` is the acquisition's base or any of its attempts' tokens. A base
     that ends in ``~<tag>`` (the waiting process's tag, see ``wake.process_tag``)
@@ -479,6 +486,15 @@ def acquire_flow(
         keys = (spec.key, *spec.queue, spec.records, *fenced[1:])
         script = FAIR_ACQUIRE_SCRIPT
     record: tuple[str, ...] = ("1",) if spec.handoff else ()
+    # A waiter of a lock that is not fair goes on its waiting list when refused.
+    waiter = waiter_id(token) if spec.waiting and place is None and wait != 0 else ""
+    listed = False  # refused once: on the list of some node
+    arrived = 0
+    if waiter:
+        keys = (*fenced, spec.waiting)
+        # Its place on the list: the same on every node (the wall clock, the one
+        # clock waiters of different hosts share), so they name the same waiter.
+        arrived = time.time_ns() // 1_000_000
     lease = ttl_ms(spec.ttl)
     deadline = None if wait is None else clock() + wait
     if defer > 0 and wait != 0 and place is None:
@@ -506,6 +522,8 @@ def acquire_flow(
                     extra = (place.waiter, life, place.ticket, *record)
                 else:
                     extra = (place.waiter, 0, 0, *record)
+            elif waiter:
+                extra = (f"{waiter} {waiting_life(spec)} {int(listed)} {arrived}",)
             start = clock()
             if place is not None:
                 place.attempt, place.started = attempt, start
@@ -585,6 +603,10 @@ def acquire_flow(
             except BaseException:
                 yield _cleanup(spec, mine)
                 raise
+            if waiter and not listed:
+                # Refused: on that node's list (one that did not answer may have
+                # listed it too; a release that names it there wakes nobody).
+                listed = any(r.ok and refused(r.value) for r in replies)
             if place is not None:
                 tickets = [t for t in map(queued_with, (r.value for r in replies)) if t]
                 if queueing:
@@ -655,7 +677,7 @@ def acquire_flow(
             if place is None:
                 # A driver answers a wait with True when a release ended it early;
                 # one it heard since this attempt started ends it at once.
-                woken = yield Sleep(delay, wake=spec.key, since=start)
+                woken = yield Sleep(delay, spec.key, waiter or None, start)
             else:
                 woken = yield from _wait_in_queue(
                     spec, place, now + delay, start, clock, later
@@ -674,7 +696,22 @@ def acquire_flow(
     except BaseException:
         if place is not None and place.ticket is not None:
             yield _leave(spec, place, token)
+        elif listed:
+            yield _withdraw(spec, waiter)
         raise
+
+
+def waiting_life(spec: LockSpec) -> int:
+    """How long (ms) a lock's waiting list lives after its last refusal: longer
+    than any waiter sleeps between attempts, which renew it."""
+    return ttl_ms(4 * max(spec.queue_life, spec.retry_delay + spec.retry_jitter))
+
+
+def _withdraw(spec: LockSpec, waiter: str) -> Fanout:
+    """Take a waiter that gives up off the lock's waiting list on every node."""
+    keys = (spec.key, spec.waiting)
+    args = (waiter, release_id(f"left {waiter}"))
+    return Fanout(WITHDRAW_SCRIPT, keys, args, critical=True)
 
 
 @dataclass
@@ -971,6 +1008,9 @@ def release_flow(
     keys: tuple[str, ...] = (spec.key,)
     args: tuple[str, ...] = (token, release_id(token))
     script = RELEASE_SCRIPT
+    if spec.waiting:
+        # Names the first waiter on the list: only that one is woken.
+        keys = (spec.key, spec.waiting)
     if spec.queue is not None:
         # Also takes our entry out of the queue, and names the next waiter to its
         # process alone.

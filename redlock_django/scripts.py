@@ -32,6 +32,7 @@ __all__ = [
     "PTTL_SCRIPT",
     "QUEUED_RELEASE_SCRIPT",
     "RELEASE_SCRIPT",
+    "WITHDRAW_SCRIPT",
     "Script",
 ]
 
@@ -69,13 +70,14 @@ end
 # counter (absent: no fencing); one that is not a non-negative integer is an error
 # reply, given before anything is written (a negative one would make the reply
 # look like a refusal, and token 0 like no fencing).
-def _read_fence(n: int) -> str:
+def _read_fence(n: int | str) -> str:
+    counter = f"KEYS[{n}]" if isinstance(n, int) else n
     return f"""
 local fence = 0
-if KEYS[{n}] then
-  local raw = redis.call('get', KEYS[{n}]) or '0'
+if {counter} then
+  local raw = redis.call('get', {counter}) or '0'
   if not string.match(raw, '^%d+$') then
-    return redis.error_reply('fencing counter ' .. KEYS[{n}] .. ' is not a number')
+    return redis.error_reply('fencing counter ' .. {counter} .. ' is not a number')
   end
   fence = tonumber(raw)
 end
@@ -97,12 +99,13 @@ end
 # Writes the lock; with a fencing counter (KEYS[n]) it raises it by one and records
 # the new value on the lock. Returns that value (0 without fencing). GET and SET,
 # not INCR: the app user's ACL of earlier versions has no INCR.
-def _grant(n: int) -> str:
+def _grant(n: int | str) -> str:
+    counter = f"KEYS[{n}]" if isinstance(n, int) else n
     return f"""
-if KEYS[{n}] then
+if {counter} then
   fence = fence + 1
   local counted = string.format('%d', fence)
-  redis.call('set', KEYS[{n}], counted)
+  redis.call('set', {counter}, counted)
   redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3], 'fence', counted)
 else
   redis.call('hset', KEYS[1], 'token', ARGV[1], 'meta', ARGV[3])
@@ -112,9 +115,14 @@ return fence
 """
 
 
-# KEYS[1] lock key; KEYS[2] (optional) fencing counter key
+# KEYS[1] lock key; KEYS[2] (optional) fencing counter key; last (with ARGV[4]) the
+# lock's waiting list (``_WAITING``)
 # ARGV[1] token of this attempt, "<base>.<attempt>" (attempt k of one acquisition
-# writes base.k); ARGV[2] lease in ms; ARGV[3] holder metadata (JSON)
+# writes base.k); ARGV[2] lease in ms; ARGV[3] holder metadata (JSON); ARGV[4]
+# (optional) "<waiter id> <the list's life, ms> <1 once an earlier attempt of this
+# waiter was refused, else 0> <its place on the list: its arrival, ms>", in one
+# argument: a client that did not authenticate may send at most 10, and gets a
+# clear NOAUTH for a command no longer than that (a longer one is a protocol error)
 # returns the fencing counter after its increment (0 without fencing) when it wrote
 # ARGV[1]: the key was free, held ARGV[1] itself (a resent command), or held an earlier
 # attempt of the same base (same base, lower attempt number): a leftover whose
@@ -123,10 +131,60 @@ return fence
 # must not take a node a later attempt counted), another base, a token without an
 # attempt number, or a foreign value. A counter that is not an integer is an
 # error reply, checked before anything is written, so that node just votes no.
+# With a waiter id, a refusal also puts the waiter on the lock's waiting list (if
+# not on it yet), so that a release wakes it by name, and a grant to a waiter that
+# was refused before takes it off.
 ACQUIRE_SCRIPT = Script(
     "acquire",
-    _read_fence(2) + _READ_OWNER + _TAKE_OVER + _grant(2),
+    """
+local waiting = ARGV[4] and KEYS[#KEYS]
+local counter = KEYS[2] ~= waiting and KEYS[2]
+local waiter, life, listed, arrived
+if waiting then
+  waiter, life, listed, arrived = string.match(ARGV[4], '^(%S+) (%d+) ([01]) (%d+)$')
+  if not waiter then
+    return redis.error_reply('bad waiter ' .. ARGV[4])
+  end
+end
+"""
+    + _read_fence("counter")
+    + _READ_OWNER
+    + """
+local function refuse()
+  if waiting then
+    redis.pcall('zadd', waiting, 'NX', arrived, waiter)
+    redis.pcall('pexpire', waiting, life)
+  end
+  return -1
+end
+"""
+    + _TAKE_OVER.replace("return -1", "return refuse()")
+    + """
+if waiting and listed == '1' then
+  redis.pcall('zrem', waiting, waiter)
+end
+"""
+    + _grant("counter"),
 )
+
+# The waiting list of a lock that is not fair: a sorted set of the ids of waiters
+# whose attempt a node refused, by their arrival as the waiter gave it (the same
+# on every node, so the nodes name the same first waiter; ties by id). A
+# release takes the first off and names it in its wake-up, on the lock's channel:
+# each waiting process hears it, and only that waiter is woken. Defines
+# ``wake_next(list, release id, channel)``, which returns the subscribers that heard
+# (or an error table). Every command goes by pcall: an ACL user without them
+# still releases, and its waiters are woken as before (one of each process).
+_WAITING = """
+local function wake_next(list, release, channel)
+  local first = redis.pcall('zrange', list, '0', '0')
+  if type(first) == 'table' and first[1] then
+    redis.pcall('zrem', list, first[1])
+    return redis.pcall('publish', channel, release .. ' ' .. first[1])
+  end
+  return redis.pcall('publish', channel, release)
+end
+"""
 
 # The wait queue of a fair lock (fairness.py), on each node: ``queue`` is a sorted
 # set of waiter ids by ticket (ties by id, as ZSETs order them), ``waiters`` the same
@@ -497,25 +555,47 @@ return deleted
 """,
 )
 
-# KEYS[1] lock key
+# KEYS[1] lock key; KEYS[2] (optional) its waiting list (``_WAITING``)
 # ARGV[1] token; ARGV[2] (optional) release id, published on the channel named
-# like the key so that waiters wake at once (see wake.py)
+# like the key so that waiters wake at once (see wake.py), followed by the first
+# waiter on the list (taken off it), if any: only that one is woken
 # returns 0 when the key held another token (it is never touched) or nothing;
 # else deletes it and returns 1 + the number of subscribers that heard it. PUBLISH
 # runs by pcall: an ACL user without channel rights still releases.
 RELEASE_SCRIPT = Script(
     "release",
-    """
-"""
+    _WAITING
     + _DELETE_OURS
     + """
 if ARGV[2] then
-  local heard = redis.pcall('publish', KEYS[1], ARGV[2])
+  local heard
+  if KEYS[2] then
+    heard = wake_next(KEYS[2], ARGV[2], KEYS[1])
+  else
+    heard = redis.pcall('publish', KEYS[1], ARGV[2])
+  end
   if type(heard) == 'number' then
     return deleted + heard
   end
 end
 return deleted
+""",
+)
+
+# KEYS[1] lock key; KEYS[2] its waiting list (``_WAITING``)
+# ARGV[1] waiter id; ARGV[2] an id for the wake-up message
+# returns 1. Takes a waiter that gives up off the list at once. When the lock is
+# free, a release may have named this waiter, and the wake-up went with it: the
+# next waiter is woken, as a release would, or it would sleep out its retry.
+WITHDRAW_SCRIPT = Script(
+    "withdraw",
+    _WAITING
+    + """
+redis.pcall('zrem', KEYS[2], ARGV[1])
+if redis.call('pttl', KEYS[1]) == -2 then
+  wake_next(KEYS[2], ARGV[2], KEYS[1])
+end
+return 1
 """,
 )
 

@@ -7,7 +7,11 @@ resources cost five connections, not five thousand. One thread reads all of them
 (``readers.py``). Blocking waiters are woken through a ``threading.Event``,
 asyncio waiters through their loop, so one reader serves both APIs.
 
-A release that names nobody (a barging lock's) wakes one waiter of each process:
+A release of a lock that is not fair names the first waiter on the lock's
+waiting list (``scripts._WAITING``: the waiters the nodes refused, by arrival),
+on the lock's channel: every waiting process hears it, and only that waiter is
+woken, whatever process it is in. One that names nobody (the list is empty: an
+older client's waiters, a forced release) wakes one waiter of each process:
 the first of the process's waiters on that lock that is not already woken. Woken
 all, each would make an attempt on every node, and one at most can win: with
 tens of waiting threads or tasks in a process, the attempts would crowd out the
@@ -403,8 +407,9 @@ class Hub:
         """Node ``index`` published ``message``: wake waiters once per release.
 
         The message is ``<release id>`` (then the first waiter of this process
-        not yet woken is woken, the others keep sleeping) or, from a fair lock,
-        ``<release id> <waiter>``: then only that waiter is woken. A
+        not yet woken is woken, the others keep sleeping) or ``<release id>
+        <waiter>`` (a fair lock's, or a lock with a waiting list): then only that
+        waiter is woken. A
         release that handed the lock to the waiter adds the details
         (``protocol._handed``), which reach the waiter with its wake-up.
         Once, when a majority of the nodes reported it (or every node subscribed,

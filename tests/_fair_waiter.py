@@ -1,11 +1,11 @@
 """One waiter of a fair lock, in its own process: ``python -m tests._fair_waiter``.
 
 It configures Django itself with the node URLs it is given, acquires ``--resource``
-with ``fair=True`` (waiting up to ``--timeout``), prints one JSON line when it got
-the lock (``at``: CLOCK_MONOTONIC, system-wide on Linux; ``attempts``,
-``wakeups`` and ``handed`` from the ``lock_acquired`` signal), holds it
-``--hold`` seconds, releases it and exits. A wait that runs out prints
-``{"event": "gave up"}``.
+with ``fair=True`` (or, with ``--barging``, not fair; waiting up to
+``--timeout``), prints one JSON line when it got the lock (``at``:
+CLOCK_MONOTONIC, system-wide on Linux; ``attempts``, ``wakeups`` and ``handed``
+from the ``lock_acquired`` signal), holds it ``--hold`` seconds, releases it and
+exits. A wait that runs out prints ``{"event": "gave up"}``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--queue-life", type=float, default=None)
     parser.add_argument("--no-handoff", action="store_true")
     parser.add_argument(
+        "--barging", action="store_true", help="a lock that is not fair (FAIR False)"
+    )
+    parser.add_argument(
         "--loop", type=float, default=0.0, help="acquire and release for so long"
     )
     args = parser.parse_args(argv)
@@ -44,7 +47,7 @@ def main(argv: list[str]) -> int:
             "NODE_TIMEOUT": args.node_timeout,
             "RETRY_DELAY": args.retry_delay,
             "RETRY_JITTER": 0,
-            "FAIR": True,
+            "FAIR": not args.barging,
             **({} if args.queue_life is None else {"QUEUE_LIFE": args.queue_life}),
             **({"HANDOFF": False} if args.no_handoff else {}),
         },

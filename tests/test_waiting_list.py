@@ -1,0 +1,121 @@
+"""A lock that is not fair keeps its waiters on a list on the nodes: a release
+wakes one of them by name, whichever process it is in, not one of each process.
+
+Each waiter is its own process (``tests/_fair_waiter.py --barging``), so only the
+nodes can tell a release whom to wake. The proofs read the ``lock_acquired``
+signal's ``attempts`` and ``wakeups`` and the lists' sizes on the nodes, never wall
+time: with a 30 s retry delay, every attempt after the first is a wake-up.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from harness.nodes import NodeSet
+from redlock_django import Redlock
+from redlock_django.keys import lock_key, waiting_key
+from tests._waiting import SLOW_RETRY, result
+
+pytestmark = pytest.mark.django_db(transaction=False)
+
+
+def _listed(nodes: NodeSet, resource: str) -> list[int]:
+    """Per node, how many waiters the resource's waiting list holds."""
+    key = waiting_key(resource, "redlock")
+    return [node.client().zcard(key) for node in nodes]
+
+
+def _wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.01)
+
+
+def _line_up(
+    nodes: NodeSet,
+    spawn: Callable[..., subprocess.Popen[str]],
+    resource: str,
+    names: str,
+    *extra: str,
+) -> list[subprocess.Popen[str]]:
+    """One waiter process per name, each on the list of every node and listening
+    on the lock's channel there before the next starts."""
+    channel = lock_key(resource, "redlock")
+    procs = []
+    for k, name in enumerate(names, start=1):
+        delay = ("--retry-delay", str(SLOW_RETRY))
+        procs.append(spawn(name, resource, "--barging", *delay, *extra))
+        _wait_until(
+            lambda k=k: all(n >= k for n in _listed(nodes, resource)),
+            f"{k} waiters are listed on every node",
+        )
+        _wait_until(
+            lambda k=k: all(
+                node.client().pubsub_numsub(channel)[0][1] >= k for node in nodes
+            ),
+            f"{k} waiters listen on every node",
+        )
+    # The attempt each waiter makes when its subscription is confirmed (it could
+    # not hear a release before), refused like its first.
+    time.sleep(0.2)
+    return procs
+
+
+def test_a_release_wakes_the_first_listed_waiter_of_all_processes_alone(
+    nodes: NodeSet, spawn: Callable[..., Any], hold: Callable[..., Redlock]
+) -> None:
+    """Four waiter processes on one lock that is not fair: the release wakes the
+    first on the list alone, which takes the lock, and its release the next. Woken
+    one per process, the other three would each make an attempt that cannot win
+    at every release (the last waiter 5 attempts or more, seen on the code
+    before the list)."""
+    resource, names = "listed:one-at-a-time", "ABCD"
+    holder = hold(resource, ttl=60)
+    procs = _line_up(nodes, spawn, resource, names)
+
+    holder.release()
+    results = [result(proc) for proc in procs]
+
+    assert all(r["event"] == "acquired" for r in results), results
+    # Served in the order they were listed: nobody else attempted in between.
+    assert [r["name"] for r in sorted(results, key=lambda r: r["at"])] == list(names)
+    for r in results:
+        assert r["wakeups"] == r["attempts"] - 1, f"a wait ran out: {r}"
+        # The first attempt, the one its subscription's confirmation started, and
+        # the one it was woken for, which won.
+        assert r["attempts"] <= 3, f"woken for a release that was not its: {r}"
+    assert _listed(nodes, resource) == [0] * len(nodes), "entries left behind"
+
+
+def test_a_waiter_that_gives_up_leaves_the_list_at_once(
+    nodes: NodeSet, spawn: Callable[..., Any], hold: Callable[..., Redlock]
+) -> None:
+    """A waiter whose wait runs out takes its entry off every node's list as it
+    goes: a release would otherwise name it, and wake nobody."""
+    resource = "listed:gives-up"
+    hold(resource, ttl=60)
+    (proc,) = _line_up(nodes, spawn, resource, "A", "--timeout", "1")
+    assert result(proc)["event"] == "gave up"
+    assert _listed(nodes, resource) == [0] * len(nodes)
+
+
+def test_a_waiter_that_took_the_lock_from_a_release_is_off_the_list(
+    nodes: NodeSet, spawn: Callable[..., Any], hold: Callable[..., Redlock]
+) -> None:
+    """The release takes the waiter it names off the list, and the waiter's own
+    grant takes it off the nodes that did not name it: a waiter served leaves no
+    entry for a later release to name."""
+    resource = "listed:served"
+    holder = hold(resource, ttl=60)
+    (proc,) = _line_up(nodes, spawn, resource, "A", "--hold", "0.5")
+    holder.release()
+    got = result(proc)
+    assert got["event"] == "acquired" and got["wakeups"] >= 1, got
+    assert _listed(nodes, resource) == [0] * len(nodes)
