@@ -9,6 +9,8 @@ time: with a 30 s retry delay, every attempt after the first is a wake-up.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -118,4 +120,23 @@ def test_a_waiter_that_took_the_lock_from_a_release_is_off_the_list(
     holder.release()
     got = result(proc)
     assert got["event"] == "acquired" and got["wakeups"] >= 1, got
+    assert _listed(nodes, resource) == [0] * len(nodes)
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_dead_or_frozen_first_waiter_delays_the_next_by_one_retry_at_most(
+    fault: str, nodes: NodeSet, spawn: Callable[..., Any], hold: Callable[..., Redlock]
+) -> None:
+    """The release names the first waiter, killed or frozen, and wakes nobody: the
+    second waiter's timed retry (1 s here) finds the lock free. The release took
+    the dead waiter off the list, so no later release names it again."""
+    resource = "listed:dead"
+    holder = hold(resource, ttl=60)
+    first, second = _line_up(nodes, spawn, resource, "AB", "--retry-delay", "1")
+    os.kill(first.pid, getattr(signal, fault))
+    stopped = time.monotonic()
+    holder.release()
+    got = result(second)
+    assert got["event"] == "acquired", got
+    assert got["at"] - stopped < 1.0 + 0.5, got["at"] - stopped
     assert _listed(nodes, resource) == [0] * len(nodes)
