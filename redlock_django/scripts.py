@@ -152,7 +152,12 @@ end
     + """
 local function refuse()
   if waiting then
-    redis.pcall('zadd', waiting, 'NX', arrived, waiter)
+    -- Its arrival by its own clock, the same on every node, within 100 ms of
+    -- this node's: a client whose clock is behind is not always first.
+    local clock = redis.call('time')
+    local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+    local at = math.max(now - 100, math.min(now + 100, tonumber(arrived)))
+    redis.pcall('zadd', waiting, 'NX', string.format('%d', at), waiter)
     redis.pcall('pexpire', waiting, life)
   end
   return -1
@@ -169,7 +174,8 @@ end
 
 # The waiting list of a lock that is not fair: a sorted set of the ids of waiters
 # whose attempt a node refused, by their arrival as the waiter gave it (the same
-# on every node, so the nodes name the same first waiter; ties by id). A
+# on every node, so the nodes name the same first waiter; ties by id), held to
+# within 100 ms of the node's clock. A
 # release takes the first off and names it in its wake-up, on the lock's channel:
 # each waiting process hears it, and only that waiter is woken. Defines
 # ``wake_next(list, release id, channel)``, which returns the subscribers that heard

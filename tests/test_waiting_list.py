@@ -21,6 +21,7 @@ import pytest
 from harness.nodes import NodeSet
 from redlock_django import Redlock
 from redlock_django.keys import lock_key, waiting_key
+from redlock_django.scripts import ACQUIRE_SCRIPT
 from tests._waiting import SLOW_RETRY, result
 
 pytestmark = pytest.mark.django_db(transaction=False)
@@ -140,3 +141,29 @@ def test_a_dead_or_frozen_first_waiter_delays_the_next_by_one_retry_at_most(
     assert got["event"] == "acquired", got
     assert got["at"] - stopped < 1.0 + 0.5, got["at"] - stopped
     assert _listed(nodes, resource) == [0] * len(nodes)
+
+
+@pytest.mark.parametrize("off_by_ms", [-3_600_000, 3_600_000, -40])
+def test_a_waiters_arrival_is_held_within_100_ms_of_the_nodes_clock(
+    nodes: NodeSet, hold: Callable[..., Redlock], off_by_ms: int
+) -> None:
+    """A refused attempt ranks its waiter by the arrival the client sends, kept
+    within 100 ms of the node's clock: a host whose clock is an hour behind is
+    not first on every list for good (nor one an hour ahead last), and a
+    client a little off keeps its own figure, the same on every node."""
+    resource = "listed:skewed"
+    hold(resource, ttl=60)
+    node = nodes[0].client()
+    seconds, micros = node.time()
+    now = seconds * 1000 + micros // 1000
+    keys = (lock_key(resource, "redlock"), waiting_key(resource, "redlock"))
+    arrived = now + off_by_ms
+    args = ("other.1", 1000, "{}", f"0123456789abcdef 8000 0 {arrived}")
+    node.script_load(ACQUIRE_SCRIPT.source)
+    assert node.evalsha(ACQUIRE_SCRIPT.sha, len(keys), *keys, *args) == -1
+    [(member, score)] = node.zrange(keys[1], 0, -1, withscores=True)
+    assert member == b"0123456789abcdef"
+    if abs(off_by_ms) > 100:
+        assert abs(score - now) <= 100 + 50, (score, now)
+    else:
+        assert score == arrived
