@@ -489,12 +489,14 @@ def acquire_flow(
     # A waiter of a lock that is not fair goes on its waiting list when refused.
     waiter = waiter_id(token) if spec.waiting and place is None and wait != 0 else ""
     listed = False  # refused once: on the list of some node
-    arrived = 0
+    listing = arrived = ""
     if waiter:
         keys = (*fenced, spec.waiting)
-        # Its place on the list: the same on every node (the wall clock, the one
-        # clock waiters of different hosts share), so they name the same waiter.
-        arrived = time.time_ns() // 1_000_000
+        listing = f"{waiter} {waiting_life(spec)}"
+        # Its place on the list, not a duration: a stamp the same on every node
+        # and comparable between hosts, so the wall clock (the nodes hold it to
+        # within 100 ms of theirs); nothing is timed with it.
+        arrived = str(time.time_ns() // 1_000_000)
     lease = ttl_ms(spec.ttl)
     deadline = None if wait is None else clock() + wait
     if defer > 0 and wait != 0 and place is None:
@@ -523,7 +525,7 @@ def acquire_flow(
                 else:
                     extra = (place.waiter, 0, 0, *record)
             elif waiter:
-                extra = (f"{waiter} {waiting_life(spec)} {int(listed)} {arrived}",)
+                extra = (f"{listing} {int(listed)} {arrived}",)
             start = clock()
             if place is not None:
                 place.attempt, place.started = attempt, start
